@@ -1,0 +1,9 @@
+"""draftforge: curate → extract → train → evaluate → baselines → report for DFlash/DDTree drafters.
+
+Keep this package root import-light: the Snakefile imports `draftforge.config` and `draftforge.paths`
+and must never pull in torch.
+"""
+
+__version__ = "0.1.0"
+
+STAGES: tuple[str, ...] = ("target", "curate", "extract", "train", "evaluate", "baselines", "report")

@@ -1,0 +1,1 @@
+"""`baselines` stage (see DESIGN.md §3)."""

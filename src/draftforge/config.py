@@ -1,0 +1,124 @@
+"""Root config schema and the Hydra compose API shared by the Snakefile and every stage (torch-free).
+
+Invariant: the Snakefile and a stage compose the same config from the same overrides, so the plain
+dict Snakemake tracks in `params` is exactly what the stage computes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from draftforge.baselines.config import BaselinesConfig
+from draftforge.curate.config import CurateConfig
+from draftforge.errors import ConfigError
+from draftforge.evaluate.config import EvaluateConfig
+from draftforge.extract.config import ExtractConfig
+from draftforge.io import sha256_json
+from draftforge.paths import CONF_DIR, default_results_root
+from draftforge.report.config import ReportConfig
+from draftforge.target.config import TargetConfig
+from draftforge.train.config import TrainConfig
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    uri: str = ""  # empty → sqlite:///<results_root>/mlflow.db
+
+
+@dataclass
+class RootConfig:
+    experiment_name: str = "default"
+    results_root: str = ""  # empty → <repo>/results (or $DRAFTFORGE_RESULTS)
+    seed: int = 0
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    curate: CurateConfig = field(default_factory=CurateConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
+
+# Sections of the root config each stage's computation depends on (beyond its upstream files).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "target": ("target",),
+    "curate": ("target", "curate"),
+    "extract": ("target", "extract"),
+    "train": ("target", "train"),
+    "evaluate": ("target", "evaluate"),
+    "baselines": ("target", "baselines", "evaluate"),
+    "report": ("report",),
+}
+
+
+def compose(
+    experiment: str = "default", overrides: Sequence[str] = (), conf_dir: str | Path = CONF_DIR
+) -> DictConfig:
+    """Compose conf/config.yaml + experiment/<experiment> + overrides; validated against RootConfig."""
+    all_overrides = [f"experiment={experiment}", *overrides]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=all_overrides)
+        if not cfg.results_root:
+            cfg.results_root = str(default_results_root())
+        OmegaConf.resolve(cfg)
+        # `+key=value` overrides slip past Hydra's struct check: re-validate against the schema.
+        cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.create(OmegaConf.to_container(cfg)))
+        OmegaConf.set_struct(cfg, True)
+        _check_values(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = _explain(exc)
+        raise ConfigError(f"config (experiment={experiment}, overrides={list(overrides)}): {message}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def _explain(exc: BaseException) -> str:
+    """One line from an exception chain (Hydra wraps the OmegaConf error that names the key)."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 4:
+        text = " ".join(str(seen).split())
+        if text and text not in parts:
+            parts.append(text)
+        seen = seen.__cause__ or seen.__context__
+    return ": ".join(parts)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    from draftforge.target.config import TARGET_SOURCES
+
+    if cfg.target.source not in TARGET_SOURCES:
+        raise ConfigError(f"target.source: {cfg.target.source!r} is not one of {TARGET_SOURCES}")
+
+
+def to_plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
+    """The resolved plain dict a stage computes with: what Snakemake tracks in `params`."""
+    view: dict[str, Any] = {"experiment_name": cfg.experiment_name, "seed": cfg.seed}
+    for section in STAGE_SECTIONS[stage]:
+        view[section] = to_plain(cfg[section])
+    return view
+
+
+def config_hash(cfg: DictConfig, stage: str) -> str:
+    return sha256_json(stage_params(cfg, stage))[:16]

@@ -1,0 +1,1 @@
+"""`curate` stage (see DESIGN.md §3)."""

@@ -1,0 +1,54 @@
+"""One source of truth for where each stage reads and writes (Snakemake rules and stages both use it).
+
+Layout: <results_root>/<experiment>/<stage>/...; the MLflow store is <results_root>/mlflow.db and
+caches shared across experiments live in <results_root>/cache (or $DRAFTFORGE_CACHE).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from draftforge import STAGES
+
+REPO_ROOT: Path = Path(__file__).resolve().parents[2]
+CONF_DIR: Path = REPO_ROOT / "conf"
+
+# Per-stage marker file: the declared Snakemake output that exists only when the stage finished.
+STAGE_MARKERS: dict[str, str] = {
+    "target": "target.json",
+    "curate": "manifest.json",
+    "extract": "index.json",
+    "train": "metrics.json",
+    "evaluate": "evaluate.json",
+    "baselines": "baselines.json",
+    "report": "summary.md",
+}
+
+
+def default_results_root() -> Path:
+    return Path(os.environ.get("DRAFTFORGE_RESULTS", REPO_ROOT / "results")).resolve()
+
+
+def stage_dir(results_root: str | Path, experiment: str, stage: str) -> Path:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return Path(results_root).resolve() / experiment / stage
+
+
+def stage_marker(results_root: str | Path, experiment: str, stage: str) -> Path:
+    return stage_dir(results_root, experiment, stage) / STAGE_MARKERS[stage]
+
+
+def cache_dir(results_root: str | Path) -> Path:
+    env = os.environ.get("DRAFTFORGE_CACHE")
+    return Path(env).resolve() if env else Path(results_root).resolve() / "cache"
+
+
+def mlflow_uri(results_root: str | Path) -> str:
+    return f"sqlite:///{Path(results_root).resolve() / 'mlflow.db'}"
+
+
+def work_dir(results_root: str | Path, experiment: str, stage: str) -> Path:
+    """State that must survive Snakemake deleting a failed job's outputs (checkpoints, partial shards)."""
+    return Path(results_root).resolve() / experiment / ".work" / stage

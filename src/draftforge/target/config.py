@@ -1,0 +1,75 @@
+"""Typed config of the target and of the drafter shape that belongs to it (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+TARGET_SOURCES = ("gguf_package", "hf_dir", "hub_cache", "random")
+
+
+@dataclass
+class DrafterShapeConfig:
+    num_layers: int = 5
+    block_size: int = 16
+    # Row of the target's embedding table used as the mask token; never resize the vocabulary.
+    mask_token_id: int = MISSING
+    # 0-based "output of decoder layer i"; None → n_taps ids spread evenly over [1, L-3].
+    target_layer_ids: Optional[List[int]] = None
+    n_taps: int = 5
+    # Sliding-window draft layers (Qwen3.6-27B's published drafter); 0 = all full attention.
+    sliding_window: int = 0
+
+
+@dataclass
+class RandomTargetConfig:
+    """A random-weight target built locally (tests, GPU benchmarks); tokenizer is byte-level ChatML."""
+
+    architecture: str = "LlamaForCausalLM"  # or Qwen3ForCausalLM
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    source: str = MISSING  # one of TARGET_SOURCES
+    path: Optional[str] = None  # hf_dir: a local HF model folder
+    hub_id: Optional[str] = None  # hub_cache: an id already in the local HF cache (offline)
+    revision: Optional[str] = None
+    package: Optional[str] = None  # gguf_package: a pip package that ships a GGUF file
+    gguf_file: Optional[str] = None
+    dtype: str = "bfloat16"  # compute dtype on GPU; CPU stages use float32
+    architecture: Optional[str] = None  # expected architecture (checked when set)
+    num_layers: Optional[int] = None  # expected layer count (checked when set)
+    mtp_layers: int = 0  # MTP layers the checkpoint is expected to carry
+    hybrid_attention: bool = False  # linear-attention layers present (DDTree unsupported)
+    drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
+    random: Optional[RandomTargetConfig] = None
+
+
+def default_tap_ids(num_layers: int, n_taps: int) -> list[int]:
+    """n_taps ids spread evenly over [1, L-3], rounded: 36 layers, 5 taps → [1, 9, 17, 25, 33]."""
+    if n_taps < 1:
+        raise ValueError("n_taps must be >= 1")
+    lo, hi = 1, num_layers - 3
+    if hi < lo:
+        raise ValueError(f"target has {num_layers} layers: too few to tap (need >= 4)")
+    if n_taps == 1:
+        return [round((lo + hi) / 2)]
+    step = (hi - lo) / (n_taps - 1)
+    ids = [int(lo + i * step + 0.5) for i in range(n_taps)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{n_taps} distinct taps do not fit in layers [1, {hi}]")
+    return ids

@@ -1,0 +1,1 @@
+"""`train` stage (see DESIGN.md §3)."""
