@@ -1,0 +1,156 @@
+"""Shared entry for every stage: `python -m draftforge.<stage> experiment=NAME [hydra overrides...]`.
+
+Also under torchrun (RANK/WORLD_SIZE set): every rank composes the same config; only rank 0 logs to
+MLflow and writes provenance. A StageError becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from draftforge.config import compose, config_hash, stage_params
+from draftforge.errors import StageError
+from draftforge.paths import STAGE_MARKERS, stage_dir, stage_marker, work_dir
+from draftforge.provenance import git_state
+
+log = logging.getLogger("draftforge")
+
+# Upstream stages each stage reads (their marker files are fingerprinted into provenance).
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "target": (),
+    "curate": ("target",),
+    "extract": ("target", "curate"),
+    "train": ("target", "extract"),
+    "evaluate": ("target", "train"),
+    "baselines": ("target", "train"),
+    "report": ("target", "curate", "extract", "train", "evaluate", "baselines"),
+}
+
+
+@dataclass
+class StageContext:
+    stage: str
+    cfg: DictConfig
+    experiment: str
+    results_root: Path
+    out_dir: Path  # declared outputs (Snakemake may delete it on failure)
+    work_dir: Path  # resumable state kept outside declared outputs
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    config_hash: str = ""
+
+    def input_dir(self, stage: str) -> Path:
+        return stage_dir(self.results_root, self.experiment, stage)
+
+    def input_marker(self, stage: str) -> Path:
+        """The upstream stage's marker file; a clear error if that stage has not finished."""
+        path = stage_marker(self.results_root, self.experiment, stage)
+        if not path.is_file():
+            raise StageError(f"{path}: missing; run the `{stage}` stage first (snakemake --until {stage})")
+        return path
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def tracking_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for draftforge.tracking.mlflow_run with this stage's standard tags."""
+        return dict(
+            results_root=self.results_root,
+            experiment=self.experiment,
+            stage=self.stage,
+            uri=self.cfg.tracking.uri,
+            enabled=self.cfg.tracking.enabled,
+            tags={"config_hash": self.config_hash, "git_sha": git_state()["sha"], "target": self.cfg.target.name},
+        )
+
+
+def parse_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """Split `experiment=NAME` from the other Hydra overrides (default experiment: default)."""
+    experiment = "default"
+    overrides: list[str] = []
+    for arg in argv:
+        if arg.startswith("experiment="):
+            experiment = arg.split("=", 1)[1]
+        elif "=" in arg:
+            overrides.append(arg)
+        else:
+            raise StageError(f"argument {arg!r}: expected a Hydra override key=value (e.g. experiment=smoke)")
+    return experiment, overrides
+
+
+def configure_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s", stream=sys.stderr)
+    if not sys.stderr.isatty():  # progress bars in redirected logs: one line every 30 s
+        os.environ.setdefault("TQDM_MININTERVAL", "30")
+    for noisy in ("alembic", "mlflow", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def make_context(stage: str, argv: Sequence[str]) -> StageContext:
+    experiment, overrides = parse_argv(argv)
+    cfg = compose(experiment, overrides)
+    results_root = Path(cfg.results_root)
+    return StageContext(
+        stage=stage,
+        cfg=cfg,
+        experiment=cfg.experiment_name,
+        results_root=results_root,
+        out_dir=stage_dir(results_root, cfg.experiment_name, stage),
+        work_dir=work_dir(results_root, cfg.experiment_name, stage),
+        rank=int(os.environ.get("RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        params=stage_params(cfg, stage),
+        config_hash=config_hash(cfg, stage),
+    )
+
+
+def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = None) -> None:
+    from draftforge.provenance import write_provenance
+
+    if not ctx.is_rank0:
+        return
+    inputs = {
+        up: stage_marker(ctx.results_root, ctx.experiment, up)
+        for up in STAGE_INPUTS[ctx.stage]
+        if stage_marker(ctx.results_root, ctx.experiment, up).is_file()
+    }
+    write_provenance(ctx.out_dir, stage=ctx.stage, config=ctx.params, config_hash=ctx.config_hash, inputs=inputs, extra=extra)
+
+
+def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[str] | None = None) -> None:
+    """Compose the config, run `main(ctx)`, turn StageError into one line + exit 2.
+
+    Convention for `main`: write every output atomically; write the marker file
+    (paths.STAGE_MARKERS[stage]) last, so its presence means the stage finished.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    configure_logging(rank)
+    try:
+        ctx = make_context(stage, argv)
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        write_stage_provenance(ctx)
+        main(ctx)
+    except StageError as exc:
+        print(f"draftforge {stage}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"draftforge {stage}: interrupted; rerun the same command to resume", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+assert set(STAGE_INPUTS) == set(STAGE_MARKERS)

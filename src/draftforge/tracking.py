@@ -1,0 +1,149 @@
+"""MLflow tracking on a SQLite store: one MLflow experiment per draftforge experiment, rank 0 only.
+
+Runs carry the tags stage, pipeline, config_hash, git_sha, method, dataset so `mlflow ui` can filter
+and compare runs of different stages and engines side by side. SQLite is shared by concurrent
+Snakemake jobs: every call retries on "database is locked".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from draftforge.paths import mlflow_uri
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_PARAM_LEN = 6000
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def with_retries(fn: Callable[[], T], attempts: int = 12, base_delay: float = 0.2) -> T:
+    """Call fn, retrying transient SQLite lock/busy errors with jittered backoff."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception as exc:  # mlflow wraps sqlalchemy errors in MlflowException
+            text = str(exc).lower()
+            transient = "locked" in text or "busy" in text or "unique constraint" in text
+            if not transient or attempt == attempts - 1:
+                raise
+            time.sleep(base_delay * (2 ** min(attempt, 5)) * (0.5 + random.random()))
+    raise AssertionError("unreachable")
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} → {"a.b": "1"}; lists become their repr (MLflow params are strings)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, prefix=f"{name}."))
+        else:
+            flat[name] = str(value)[:MAX_PARAM_LEN]
+    return flat
+
+
+class RunLogger:
+    """Thin handle on one active MLflow run; every method is a no-op when tracking is off."""
+
+    def __init__(self, run_id: str | None) -> None:
+        self.run_id = run_id
+
+    @property
+    def active(self) -> bool:
+        return self.run_id is not None
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not self.active:
+            return
+        import mlflow
+
+        clean = {k.replace("@", "_at_"): float(v) for k, v in metrics.items() if v is not None}
+        with_retries(lambda: mlflow.log_metrics(clean, step=step, run_id=self.run_id))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if not self.active:
+            return
+        import mlflow
+
+        items = list(flatten(params).items())
+        for i in range(0, len(items), 90):  # MLflow caps a params batch at 100
+            chunk = dict(items[i : i + 90])
+            with_retries(lambda: mlflow.log_params(chunk, run_id=self.run_id))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if not self.active:
+            return
+        import mlflow
+
+        for key, value in tags.items():
+            with_retries(lambda: mlflow.set_tag(key, str(value)))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if not self.active:
+            return
+        import mlflow
+
+        with_retries(lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
+
+
+def experiment_name(draftforge_experiment: str) -> str:
+    return f"draftforge/{draftforge_experiment}"
+
+
+@contextlib.contextmanager
+def mlflow_run(
+    *,
+    results_root: str | Path,
+    experiment: str,
+    stage: str,
+    run_name: str | None = None,
+    tags: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+    uri: str = "",
+    enabled: bool = True,
+) -> Iterator[RunLogger]:
+    """Open an MLflow run (rank 0 and enabled), tagged; yields a RunLogger (no-op otherwise).
+
+    Required tags: stage; others (pipeline, config_hash, git_sha, method, dataset) come from `tags`.
+    A run that raises ends with status FAILED, never silently FINISHED.
+    """
+    if not (enabled and is_rank0()):
+        yield RunLogger(None)
+        return
+    import mlflow
+
+    tracking_uri = uri or mlflow_uri(results_root)
+    Path(results_root).mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(tracking_uri)
+    exp_name = experiment_name(experiment)
+    artifact_root = (Path(results_root).resolve() / "mlartifacts").as_uri()
+
+    def _experiment_id() -> str:
+        found = mlflow.get_experiment_by_name(exp_name)
+        if found is not None:
+            return found.experiment_id
+        return mlflow.create_experiment(exp_name, artifact_location=f"{artifact_root}/{experiment}")
+
+    exp_id = with_retries(_experiment_id)
+    all_tags = {"stage": stage, "pipeline": experiment, **{k: str(v) for k, v in (tags or {}).items()}}
+    run = with_retries(lambda: mlflow.start_run(experiment_id=exp_id, run_name=run_name or stage, tags=all_tags))
+    logger = RunLogger(run.info.run_id)
+    status = "FAILED"
+    try:
+        if params:
+            logger.log_params(params)
+        yield logger
+        status = "FINISHED"
+    finally:
+        with_retries(lambda: mlflow.end_run(status=status))
