@@ -1,0 +1,151 @@
+"""DFlashConfig: the drafter's shape, built from target.json and round-tripped through HF config.json.
+
+Invariants: same width as the target (hidden, heads, KV heads, head_dim, MLP); `target_layer_ids` are
+0-based "output of decoder layer i" (HF hidden_states[i+1]; vLLM adds 1 itself); the mask token is a
+row of the target's embedding table (the vocabulary is never resized).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from draftforge.errors import StageError
+
+HF_ARCHITECTURE = "DFlashDraftModel"
+HF_MODEL_TYPE = "qwen3"
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    target_num_layers: int = 0  # layer count of the target the taps index into
+    target_hidden_size: int = 0  # 0 → hidden_size (same width as the target)
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(t) for t in self.target_layer_ids]
+        if not self.target_hidden_size:
+            self.target_hidden_size = self.hidden_size
+        problems = []
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        if self.block_size < 2:
+            problems.append(f"block_size {self.block_size} < 2")
+        if self.target_num_layers and any(not 0 <= t < self.target_num_layers for t in self.target_layer_ids):
+            problems.append(f"target_layer_ids {self.target_layer_ids} outside [0, {self.target_num_layers - 1}]")
+        if problems:
+            raise StageError("drafter config: " + "; ".join(problems))
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the concatenated tapped features fed to `fc`."""
+        return self.n_taps * self.target_hidden_size
+
+    @classmethod
+    def from_target(cls, target_info: dict[str, Any], **overrides: Any) -> "DFlashConfig":
+        """The drafter shape for a target.json record (draft layers from target_info['drafter'])."""
+        try:
+            drafter = target_info["drafter"]
+            values = dict(
+                hidden_size=int(target_info["hidden_size"]),
+                intermediate_size=int(target_info["intermediate_size"]),
+                num_hidden_layers=int(drafter["num_layers"]),
+                num_attention_heads=int(target_info["num_heads"]),
+                num_key_value_heads=int(target_info["num_kv_heads"]),
+                head_dim=int(target_info["head_dim"]),
+                vocab_size=int(target_info["vocab_size"]),
+                mask_token_id=int(drafter["mask_token_id"]),
+                target_layer_ids=[int(t) for t in drafter["target_layer_ids"]],
+                block_size=int(drafter.get("block_size", 16)),
+                rms_norm_eps=float(target_info.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(target_info.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(target_info.get("max_position_embeddings", 4096)),
+                target_num_layers=int(target_info["num_layers"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StageError(f"target.json: missing or bad key for the drafter shape ({exc!r})") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json as vLLM's `dflash` method loads it (Qwen3 draft, every layer full attention)."""
+        return {
+            "architectures": [HF_ARCHITECTURE],
+            "model_type": HF_MODEL_TYPE,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.target_num_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "torch_dtype": "bfloat16",
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], where: str = "config.json") -> "DFlashConfig":
+        if hf.get("architectures") != [HF_ARCHITECTURE]:
+            raise StageError(f"{where}: architectures {hf.get('architectures')} is not [{HF_ARCHITECTURE!r}]")
+        dflash = hf.get("dflash_config") or {}
+        try:
+            rope = hf.get("rope_parameters") or {}
+            return cls(
+                hidden_size=int(hf["hidden_size"]),
+                intermediate_size=int(hf["intermediate_size"]),
+                num_hidden_layers=int(hf["num_hidden_layers"]),
+                num_attention_heads=int(hf["num_attention_heads"]),
+                num_key_value_heads=int(hf["num_key_value_heads"]),
+                head_dim=int(hf["head_dim"]),
+                vocab_size=int(hf["vocab_size"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                target_layer_ids=[int(t) for t in dflash["target_layer_ids"]],
+                block_size=int(hf.get("block_size", 16)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                target_num_layers=int(hf.get("num_target_layers", 0)),
+                target_hidden_size=int(hf.get("target_hidden_size", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StageError(f"{where}: missing or bad key ({exc!r})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

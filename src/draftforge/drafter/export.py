@@ -1,0 +1,121 @@
+"""Export/load the drafter in the layout vLLM's `dflash` method loads (DESIGN.md §4).
+
+vLLM (model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM.load_weights) prefixes every
+checkpoint name with `model.`, folds q/k/v into qkv_proj and gate/up into gate_up_proj, takes
+`embed_tokens` and `lm_head` from the target when the checkpoint has none, and reads the context
+taps from `dflash_config.target_layer_ids` (+1 internally). So the checkpoint holds exactly:
+    fc.weight, hidden_norm.weight, norm.weight, layers.{i}.{input_layernorm, post_attention_layernorm,
+    self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight
+No `model.` prefix, no embeddings / LM head, no eagle_config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.model import DFlashDrafter
+from draftforge.errors import StageError
+from draftforge.io import atomic_dir
+
+LAYER_KEYS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+# Names vLLM's loader would treat as something other than draft-layer weights (or reject).
+FORBIDDEN_SUBSTRINGS = ("embed_tokens", "lm_head", "model.", "mask_hidden", "d2t", "t2d", "midlayer")
+
+
+def expected_keys(cfg: DFlashConfig) -> set[str]:
+    """Every tensor vLLM's DFlashQwen3Model consumes for this shape (embeddings/LM head come from the target)."""
+    keys = set(TOP_KEYS)
+    keys.update(f"layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in LAYER_KEYS)
+    return keys
+
+
+def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_layer = {
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (q, H),
+        "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H),
+        "self_attn.o_proj.weight": (H, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (I, H),
+        "mlp.up_proj.weight": (I, H),
+        "mlp.down_proj.weight": (H, I),
+    }
+    shapes = {"fc.weight": (H, cfg.feature_dim), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    shapes.update({f"layers.{i}.{k}": s for i in range(cfg.num_hidden_layers) for k, s in per_layer.items()})
+    return shapes
+
+
+def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str = "drafter") -> None:
+    """Exported names == what vLLM consumes, shapes included; raise StageError naming the difference."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    bad = [n for n in tensors if any(s in n for s in FORBIDDEN_SUBSTRINGS)]
+    wrong = [f"{n} {tuple(t.shape)} != {want[n]}" for n, t in tensors.items() if n in want and tuple(t.shape) != want[n]]
+    problems = []
+    if missing:
+        problems.append(f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}")
+    if extra:
+        problems.append(f"unexpected (vLLM would not consume) {extra[:6]}")
+    if bad:
+        problems.append(f"forbidden names {bad[:6]}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong[:4]}")
+    if problems:
+        raise StageError(f"{where}: key check against vLLM's dflash loader failed: " + "; ".join(problems))
+
+
+def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
+    """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once)."""
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
+    check_keys(tensors, cfg, where=str(out_dir))
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf.update(extra_config or {})
+    if "eagle_config" in hf:
+        raise StageError(f"{out_dir}: config.json must not carry an eagle_config (vLLM would read it as EAGLE)")
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return Path(out_dir)
+
+
+def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_impl: str = "auto") -> DFlashDrafter:
+    """Load an exported drafter (our engine); validates config and keys with clear errors."""
+    directory = Path(directory)
+    cfg_path, weights = directory / "config.json", directory / "model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise StageError(f"{directory}: not an exported drafter (needs config.json + model.safetensors)")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    cfg = DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+    tensors = load_file(str(weights))
+    check_keys(tensors, cfg, where=str(weights))
+    model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    model.load_state_dict(tensors, strict=True)
+    return model.to(device=device, dtype=dtype).eval()

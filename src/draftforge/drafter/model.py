@@ -1,0 +1,224 @@
+"""DFlashDrafter: Qwen3-style decoder layers with KV injection of the fused tapped target features.
+
+Per layer l (pre-norm, RMSNorm, SwiGLU, per-head RMSNorm on q and k before RoPE):
+    C        = hidden_norm(fc(tapped))                  context feature, (T, H); never in the residual
+    K, V     = [k_norm(Wk C) | k_norm(Wk x)], [Wv C | Wv x]   with x = input_layernorm(h_block)
+    Q        = q_norm(Wq x)                              queries from the block only
+RoPE is absolute: context token p at p, block slot k at anchor + k.  The target's embeddings and
+LM head are not part of this module (frozen, owned by the target).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftforge.drafter.attention import apply_rope, attend, build_mask, resolve_impl, rope_cos_sin
+from draftforge.drafter.config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (S, T, H) → k (S, n_kv, T, hd) normed and rotated, v (S, n_kv, T, hd)."""
+        S, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(S, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(S, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (S, Q, H) normed block states
+        cos: torch.Tensor,  # (S|1, 1, Q, hd) block positions
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,  # (S, n_kv, T, hd)
+        ctx_v: torch.Tensor,
+        mask: Any,  # None (all visible) | bool (S, 1, Q, T+Q) | BlockMask
+        impl: str,
+    ) -> torch.Tensor:
+        S, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(S, Q, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)  # (S, n_kv, T+Q, hd): same k/v weights for both parts
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        out = attend(q, k, v, mask, impl)  # (S, n_heads, Q, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(S, Q, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask, impl) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask, impl)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftCache:
+    """Context-only KV cache: per layer K (normed, rotated) and V of committed positions 0..length-1.
+
+    Capacity grows by doubling; crop(n) only moves `length` (rows past it are overwritten later).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.length = 0
+        self._k: list[torch.Tensor | None] = [None] * num_layers
+        self._v: list[torch.Tensor | None] = [None] * num_layers
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (1, n_kv, n, hd) for positions length..length+n-1 (length advances in advance())."""
+        n = k.shape[2]
+        need = self.length + n
+        buf = self._k[layer]
+        if buf is None or buf.shape[2] < need:
+            cap = max(need, 2 * (buf.shape[2] if buf is not None else 64))
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(new_k.shape)
+            if buf is not None:
+                new_k[:, :, : self.length] = buf[:, :, : self.length]
+                new_v[:, :, : self.length] = self._v[layer][:, :, : self.length]
+            self._k[layer], self._v[layer] = new_k, new_v
+        self._k[layer][:, :, self.length : need] = k
+        self._v[layer][:, :, self.length : need] = v
+
+    def view(self, layer: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + extra
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def crop(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"DraftCache.crop({n}): cache holds {self.length} positions")
+        self.length = n
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, attn_impl: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attn_impl = attn_impl
+        self.fc = nn.Linear(cfg.feature_dim, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    # ---- inference API (engine) -------------------------------------------------------------
+    def project_context(self, tapped: torch.Tensor) -> torch.Tensor:
+        """(S, n, n_taps*H_target) → (S, n, H): fc + hidden_norm."""
+        return self.hidden_norm(self.fc(tapped.to(self.fc.weight.dtype)))
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    @torch.no_grad()
+    def draft(self, block_embeds: torch.Tensor, start: int, ctx_new: torch.Tensor | None, cache: DraftCache) -> torch.Tensor:
+        """One non-causal pass over the block [bonus, mask x (B-1)] at positions start..start+B-1.
+
+        block_embeds (1, B, H); ctx_new (1, n_new, H) projected features of positions
+        start-n_new..start-1, appended to the cache first. Returns (1, B, H) after the final norm.
+        """
+        n_new = 0 if ctx_new is None else ctx_new.shape[1]
+        if cache.length + n_new != start:
+            raise ValueError(f"draft: cache holds {cache.length} positions + {n_new} new != start {start}")
+        dev, dtype = block_embeds.device, block_embeds.dtype
+        B = block_embeds.shape[1]
+        blk_cos, blk_sin = self._rope(torch.arange(start, start + B, device=dev), dtype)
+        if n_new:
+            ctx_cos, ctx_sin = self._rope(torch.arange(cache.length, start, device=dev), dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            if n_new:
+                k_new, v_new = layer.self_attn.project_kv(ctx_new.to(dtype), ctx_cos, ctx_sin)
+                cache.write(i, k_new, v_new)
+            if cache.length + n_new:
+                ctx_k, ctx_v = cache.view(i, extra=n_new)
+            else:  # empty context: zero-length K/V
+                a = layer.self_attn
+                ctx_k = h.new_zeros(1, a.n_kv, 0, a.head_dim)
+                ctx_v = ctx_k
+            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, None, "sdpa")
+        cache.advance(n_new)
+        return self.norm(h)
+
+    # ---- training API ---------------------------------------------------------------------
+    def forward(
+        self,
+        tapped: torch.Tensor,  # (S, T, n_taps*H_target) context features
+        block_embeds: torch.Tensor,  # (S, N*B, H) embeddings of [anchor, mask x (B-1)] per block
+        anchors: torch.Tensor,  # (S, N) int64 anchor positions (padding anchors: any value in [0, T])
+        attn_impl: str | None = None,
+    ) -> torch.Tensor:
+        """All blocks of each sequence in one pass under the DFlash mask. Returns (S, N*B, H) normed."""
+        S, T, _ = tapped.shape
+        N = anchors.shape[1]
+        B = block_embeds.shape[1] // N
+        impl = resolve_impl(attn_impl or self.attn_impl, tapped.device)
+        dtype = block_embeds.dtype
+        ctx = self.project_context(tapped).to(dtype)  # (S, T, H)
+        ctx_cos, ctx_sin = self._rope(torch.arange(T, device=tapped.device), dtype)  # (1, T, hd) → bcast
+        blk_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(S, N * B)  # (S, Q)
+        blk_cos, blk_sin = self._rope(blk_pos, dtype)  # (S, 1, Q, hd)
+        mask = build_mask(anchors, T, B, impl)
+        h = block_embeds
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, mask, impl)
+        return self.norm(h)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,91 @@
+"""Warm start: copy target decoder-layer weights into the (same-width) draft layers.
+
+Reads only the needed tensors from the target's safetensors (never loads the whole target).
+Target layers without q/k norms (Llama) leave the draft's q_norm/k_norm at ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from draftforge.drafter.model import DFlashDrafter
+from draftforge.errors import StageError
+
+_LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_OPTIONAL = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+
+
+def tensor_locations(hf_dir: str | Path) -> dict[str, Path]:
+    """Tensor name → safetensors file, from model.safetensors.index.json or the single file."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / fname for name, fname in weight_map.items()}
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise StageError(f"{hf_dir}: no *.safetensors weights in the target folder")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({name: f for name in fh.keys()})
+    return out
+
+
+def read_tensors(hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read exactly `names` (missing ones are skipped; the caller checks)."""
+    where = tensor_locations(hf_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        if name in where:
+            by_file.setdefault(where[name], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for f, group in by_file.items():
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({name: fh.get_tensor(name) for name in group})
+    return out
+
+
+def default_source_layers(target_num_layers: int, draft_layers: int) -> list[int]:
+    """The target's last `draft_layers` decoder layers (closest to the output distribution)."""
+    return list(range(target_num_layers - draft_layers, target_num_layers))
+
+
+@torch.no_grad()
+def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: list[int] | None = None) -> list[int]:
+    """Copy target layers `source_layers[i]` into draft layer i; returns the layers used."""
+    cfg = model.cfg
+    source_layers = source_layers or default_source_layers(cfg.target_num_layers, cfg.num_hidden_layers)
+    if len(source_layers) != cfg.num_hidden_layers:
+        raise ValueError(f"init_from_target: {len(source_layers)} source layers for {cfg.num_hidden_layers} draft layers")
+    wanted = [f"model.layers.{src}.{t}" for src in source_layers for t in _LAYER_TENSORS]
+    found = read_tensors(hf_dir, wanted)
+    params = dict(model.named_parameters())
+    for i, src in enumerate(source_layers):
+        for t in _LAYER_TENSORS:
+            name = f"model.layers.{src}.{t}"
+            if name not in found:
+                if t in _OPTIONAL:
+                    continue
+                raise StageError(f"{hf_dir}: tensor {name} missing (warm start needs the target's decoder layers)")
+            dest = params[f"layers.{i}.{t}"]
+            if dest.shape != found[name].shape:
+                raise StageError(f"{hf_dir}: {name} has shape {tuple(found[name].shape)}, draft expects {tuple(dest.shape)}")
+            dest.copy_(found[name].to(dest.dtype))
+    return source_layers
