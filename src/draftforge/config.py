@@ -74,6 +74,7 @@ def compose(
     try:
         with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=all_overrides)
+        cfg.experiment_name = experiment  # results/<experiment>/ always matches the chosen experiment
         if not cfg.results_root:
             cfg.results_root = str(default_results_root())
         OmegaConf.resolve(cfg)
@@ -122,3 +123,21 @@ def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
 
 def config_hash(cfg: DictConfig, stage: str) -> str:
     return sha256_json(stage_params(cfg, stage))[:16]
+
+
+GLOBAL_KEYS: tuple[str, ...] = ("seed", "results_root", "tracking")
+
+
+def override_key(override: str) -> str:
+    """'++evaluate.budgets=[16]' → 'evaluate.budgets'; 'target=qwen3-8b' → 'target'."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def stage_overrides(stage: str, overrides: Sequence[str]) -> list[str]:
+    """The overrides that can change what `stage` computes (its sections and global keys).
+
+    Passing a stage only these keeps its command line, and so Snakemake's rerun decision, independent
+    of overrides aimed at other stages; what it computes is unchanged since it reads only its sections.
+    """
+    roots = STAGE_SECTIONS[stage] + GLOBAL_KEYS
+    return [o for o in overrides if override_key(o).split(".", 1)[0] in roots]

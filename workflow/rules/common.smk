@@ -1,0 +1,41 @@
+# Shared by every rule: the composed config, paths, and the command that launches a stage.
+import shlex
+from draftforge.config import stage_overrides
+from draftforge.paths import stage_dir, stage_marker
+
+EXPERIMENT = str(config.get("experiment", "default"))
+_raw_overrides = config.get("overrides") or []
+OVERRIDES = [str(o) for o in (_raw_overrides if isinstance(_raw_overrides, list) else shlex.split(str(_raw_overrides)))]
+if config.get("results_root"):
+    OVERRIDES.append(f"results_root={Path(config['results_root']).resolve()}")
+CFG = compose(EXPERIMENT, OVERRIDES)
+RESULTS = Path(CFG.results_root)
+PYTHON = sys.executable
+
+
+def marker(stage):
+    return str(stage_marker(RESULTS, EXPERIMENT, stage))
+
+
+def stage_log(stage):
+    return str(RESULTS / EXPERIMENT / "logs" / f"{stage}.log")
+
+
+def stage_benchmark(stage):
+    return str(RESULTS / EXPERIMENT / "benchmarks" / f"{stage}.tsv")
+
+
+def params_of(stage):
+    """The stage's resolved config as a plain dict: Snakemake reruns the stage when it changes."""
+    return stage_params(CFG, stage)
+
+
+def stage_cmd(stage, nproc=1, gpus=0):
+    """Shell command running one stage; torchrun when it spans several processes or GPUs."""
+    args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES)]
+    quoted = " ".join(shlex.quote(a) for a in args)
+    if nproc > 1 or gpus > 0:
+        n = gpus if gpus > 0 else nproc
+        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n}"
+        return f"{launch} -m draftforge.{stage} {quoted}"
+    return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"

@@ -1,0 +1,22 @@
+rule report:
+    input:
+        marker("target"),
+        marker("curate"),
+        marker("extract"),
+        marker("train"),
+        marker("evaluate"),
+        marker("baselines"),
+    output:
+        marker("report"),
+    params:
+        cfg=params_of("report"),
+        cmd=stage_cmd("report"),
+    log:
+        stage_log("report"),
+    benchmark:
+        stage_benchmark("report")
+    threads: 1
+    resources:
+        gpu=0,
+    shell:
+        "{params.cmd} > {log} 2>&1"

@@ -1,0 +1,19 @@
+# Checkpoints live in results/<exp>/.work/train (never a declared output): Ctrl-C, rerun, resume.
+rule train:
+    input:
+        marker("target"),
+        marker("extract"),
+    output:
+        marker("train"),
+    params:
+        cfg=params_of("train"),
+        cmd=stage_cmd("train", nproc=CFG.train.cpu_procs, gpus=CFG.train.gpus),
+    log:
+        stage_log("train"),
+    benchmark:
+        stage_benchmark("train")
+    threads: workflow.cores
+    resources:
+        gpu=CFG.train.gpus,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
