@@ -1,0 +1,108 @@
+"""DDTree tree construction, flattening and walk (DESIGN.md §5, steps 1-3 and 5). Plain functions.
+
+Flattened layout: index 0 is the root (the bonus token, depth 0); indices 1..N are the nodes in the
+order the best-first heap produced them, which is topological (a parent always precedes its
+children). `parents[i]` is a flattened index (-1 for the root).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: list[int]  # (1+N,) flattened tokens, tokens[0] = bonus
+    parents: list[int]  # (1+N,) flattened parent index, parents[0] = -1
+    depths: list[int]  # (1+N,) depth, depths[0] = 0
+    scores: list[float]  # (1+N,) sum of draft log-probs along the path, scores[0] = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> dict[tuple[int, int], int]:
+        """(parent index, token) → child index (tokens of siblings are distinct)."""
+        return {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i > 0}
+
+
+def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """draft_logits (D, V) for depths 1..D → top-k fp32 log-probs at temperature 1 and their tokens."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    vals, idx = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)  # (D, K) sorted descending
+    return vals.cpu().tolist(), idx.cpu().tolist()
+
+
+def build_tree(bonus: int, logp: list[list[float]], tokens: list[list[int]], budget: int) -> Tree:
+    """Best-first heap over prefixes scored by summed log-probs; stop at `budget` nodes (root excluded).
+
+    A prefix is (depth d, ranks r_1..r_d); its children/siblings score no higher than itself (log-probs
+    <= 0, ranks sorted), so popping in score order yields the `budget` highest-scoring prefixes, and a
+    node is only pushed after its parent was popped, so the output is topologically ordered.
+    """
+    depth_max = len(logp)
+    k = len(logp[0]) if depth_max else 0
+    tree = Tree(tokens=[bonus], parents=[-1], depths=[0], scores=[0.0])
+    if budget <= 0 or depth_max == 0 or k == 0:
+        return tree
+    counter = 0
+    # entry: (-score, tie-break counter, depth, rank, parent index, parent score)
+    heap = [(-logp[0][0], counter, 1, 0, 0, 0.0)]
+    while heap and len(tree) - 1 < budget:
+        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
+        node = len(tree)
+        tree.tokens.append(tokens[d - 1][r])
+        tree.parents.append(parent)
+        tree.depths.append(d)
+        tree.scores.append(-neg)
+        if r + 1 < k:  # next sibling: same parent, next rank at this depth
+            counter += 1
+            heapq.heappush(heap, (-(parent_score + logp[d - 1][r + 1]), counter, d, r + 1, parent, parent_score))
+        if d < depth_max:  # first child: one deeper, rank 0
+            counter += 1
+            heapq.heappush(heap, (-(-neg + logp[d][0]), counter, d + 1, 0, node, -neg))
+    return tree
+
+
+def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents, depths (n,) on device → bool (n, n): [i, j] = j is i or an ancestor of i.
+
+    Built level by level (topological order guarantees parents' rows are final first).
+    """
+    n = parents.shape[0]
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for d in range(1, max_depth + 1):
+        rows = (depths == d).nonzero().squeeze(-1)
+        anc[rows] |= anc[parents[rows]]
+    return anc
+
+
+def tree_inputs(
+    tree: Tree, start: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ ids (1, n), positions (n,) = start + depth, additive mask (1, 1, n, start + n).
+
+    Each node attends to the whole committed past [0, start), its ancestors and itself only.
+    """
+    n = len(tree)
+    meta = torch.tensor([tree.tokens, tree.parents, tree.depths], dtype=torch.long).to(device, non_blocking=True)
+    ids, parents, depths = meta[0], meta[1].clamp(min=0), meta[2]
+    anc = ancestor_matrix(parents, depths, max(tree.depths))
+    mask = torch.zeros(n, start + n, device=device, dtype=dtype)
+    mask[:, start:].masked_fill_(~anc, float("-inf"))
+    return ids[None], start + depths, mask[None, None]
+
+
+def walk(tree: Tree, posterior: list[int]) -> list[int]:
+    """Follow the target's posterior from the root while it names a child; → accepted path indices.
+
+    posterior[i] is the target's token after node i's prefix. The path starts at the root (0);
+    the next bonus token is posterior[path[-1]].
+    """
+    children = tree.children()
+    path = [0]
+    while (nxt := children.get((path[-1], posterior[path[-1]]))) is not None:
+        path.append(nxt)
+    return path

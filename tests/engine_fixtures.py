@@ -1,0 +1,38 @@
+"""Tiny random targets and drafters for engine/tree/evaluate tests (fp32, CPU, seconds)."""
+
+from __future__ import annotations
+
+import torch
+
+from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.model import DFlashDrafter
+from draftforge.engine.target import TargetModel, wrap_target
+from draftforge.target.config import RandomTargetConfig
+from draftforge.target.random import build_random_model
+
+ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def tiny_target(arch: str = "LlamaForCausalLM", vocab: int = 96, seed: int = 0, layers: int = 4,
+                taps: tuple[int, ...] = (0, 2)) -> TargetModel:
+    spec = RandomTargetConfig(architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                              num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
+    return wrap_target(build_random_model(spec), taps)
+
+
+def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3) -> DFlashDrafter:
+    """A random drafter of the target's width; larger init than training's so drafts are not uniform."""
+    cfg = DFlashConfig(
+        hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=1, num_attention_heads=tm.num_heads,
+        num_key_value_heads=tm.num_kv_heads, head_dim=tm.head_dim, vocab_size=tm.vocab_size, mask_token_id=mask_id,
+        target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers),
+    )
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(std=std)
+    return d.eval()
+
+
+def prompt(vocab: int, n: int = 7, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
