@@ -92,6 +92,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, impl: s
 
     Returns (S, Hq, Q, hd). Every query sees at least its own block, so no row is fully masked.
     """
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):  # flex is not an autocast op: give it one dtype
+        dt = torch.get_autocast_dtype(dev)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    elif not (q.dtype == k.dtype == v.dtype):
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if impl == "flex":
         fn = _compiled_flex() if q.is_cuda else flex_attention
         return fn(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

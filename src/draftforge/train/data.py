@@ -1,0 +1,184 @@
+"""Training data: per-sequence features → anchor blocks, epoch order, rank sharding, prefetch.
+
+A FeatureSource is any random-access sequence of (input_ids (T,) int64, loss_mask (T,) uint8,
+hidden (T, n_taps*H) float) tuples — the extract FeatureReader's per-sequence tuple.
+Determinism: the epoch order and every sequence's anchors depend only on (seed, epoch, sequence
+index), never on the world size or on where a run was resumed, so 1 process and W processes with
+the same global batch see identical data, and resume continues the exact stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class FeatureSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> SeqTuple: ...
+
+
+class InMemorySource:
+    """A list of per-sequence tuples (tests, small val sets)."""
+
+    def __init__(self, items: Sequence[SeqTuple]) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> SeqTuple:
+        return self.items[i]
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a whose token and next token are both supervised: (n_cand,) int64."""
+    m = loss_mask.bool()
+    ok = m[:-1] & m[1:]
+    return torch.nonzero(ok, as_tuple=False).flatten()
+
+
+def draw_anchors(loss_mask: torch.Tensor, num_anchors: int, seed: int, epoch: int, seq_idx: int) -> torch.Tensor:
+    """Up to num_anchors distinct candidate anchors, sorted; fresh per (seed, epoch, seq_idx)."""
+    cand = anchor_candidates(loss_mask)
+    if cand.numel() <= num_anchors:
+        return cand
+    gen = torch.Generator().manual_seed(_hash_seed(seed, epoch, seq_idx))
+    pick = torch.randperm(cand.numel(), generator=gen)[:num_anchors]
+    return cand[pick].sort().values
+
+
+def _hash_seed(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFF
+
+
+def epoch_order(n_seq: int, global_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """The epoch's steps: lists of `global_batch` sequence indices (last step wraps around)."""
+    gen = torch.Generator().manual_seed(_hash_seed(seed, epoch, 7))
+    perm = torch.randperm(n_seq, generator=gen).tolist()
+    steps = -(-n_seq // global_batch)
+    perm = perm + perm[: steps * global_batch - n_seq]
+    return [perm[i * global_batch : (i + 1) * global_batch] for i in range(steps)]
+
+
+def rank_share(step_seqs: list[int], rank: int, world: int) -> list[int]:
+    """The sequences of one step this rank processes (strided, so shares differ by at most one)."""
+    return step_seqs[rank::world]
+
+
+@dataclass
+class Batch:
+    """Collated blocks of S sequences padded to T tokens and N anchors (B = block size)."""
+
+    tapped: torch.Tensor  # (S, T, F) context features
+    anchors: torch.Tensor  # (S, N) int64; padding anchors are 0 (they see only their own block)
+    block_ids: torch.Tensor  # (S, N*B) int64: [token at anchor, mask x (B-1)] per block
+    targets: torch.Tensor  # (S, N, B) int64 token at anchor+k (0 where invalid)
+    valid: torch.Tensor  # (S, N, B) bool: slot k >= 1, anchor real, anchor+k < len, supervised
+    n_tokens: int  # real context tokens in the batch
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
+        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(mv(self.tapped), mv(self.anchors), mv(self.block_ids), mv(self.targets), mv(self.valid), self.n_tokens)
+
+    def pin_memory(self) -> "Batch":
+        return Batch(self.tapped.pin_memory(), self.anchors.pin_memory(), self.block_ids.pin_memory(),
+                     self.targets.pin_memory(), self.valid.pin_memory(), self.n_tokens)
+
+
+def collate(
+    seqs: Sequence[SeqTuple], anchors: Sequence[torch.Tensor], block_size: int, mask_token_id: int, feat_dtype: torch.dtype = torch.float32
+) -> Batch:
+    """Build one padded batch. Slot k of the block at anchor a predicts token a+k (k = 1..B-1)."""
+    B = block_size
+    S = len(seqs)
+    T = max(int(s[0].numel()) for s in seqs)
+    N = max(1, max(int(a.numel()) for a in anchors))
+    F = seqs[0][2].shape[-1]
+    tapped = torch.zeros(S, T, F, dtype=feat_dtype)
+    anc = torch.zeros(S, N, dtype=torch.long)
+    targets = torch.zeros(S, N, B, dtype=torch.long)
+    valid = torch.zeros(S, N, B, dtype=torch.bool)
+    block_ids = torch.full((S, N, B), mask_token_id, dtype=torch.long)
+    n_tokens = 0
+    k = torch.arange(B)
+    for i, ((ids, lmask, hidden), a) in enumerate(zip(seqs, anchors)):
+        L = ids.numel()
+        n_tokens += L
+        tapped[i, :L] = hidden.to(feat_dtype)
+        n = a.numel()
+        if n == 0:
+            continue
+        anc[i, :n] = a
+        pos = a[:, None] + k  # (n, B)
+        inside = pos < L
+        posc = pos.clamp(max=L - 1)
+        targets[i, :n] = torch.where(inside, ids[posc].long(), 0)
+        valid[i, :n] = inside & lmask[posc].bool() & (k >= 1)
+        block_ids[i, :n, 0] = ids[a].long()
+    return Batch(tapped, anc, block_ids.view(S, N * B), targets, valid, n_tokens)
+
+
+def truncate(item: SeqTuple, max_len: int) -> SeqTuple:
+    ids, lmask, hidden = item
+    if max_len > 0 and ids.numel() > max_len:
+        return ids[:max_len], lmask[:max_len], hidden[:max_len]
+    return ids, lmask, hidden
+
+
+class Prefetcher:
+    """Collate batches in a background thread, `depth` ahead (the device never waits on disk)."""
+
+    _END = object()
+
+    def __init__(self, it: Iterator, depth: int = 2) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._err: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(it,), daemon=True)
+        self._thread.start()
+
+    def _run(self, it: Iterator) -> None:
+        try:
+            for item in it:
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as exc:  # re-raised in the consumer
+            self._err = exc
+        self._q.put(self._END)
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self):
+        item = self._q.get()
+        if item is self._END:
+            if self._err is not None:
+                raise self._err
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while not self._q.empty():
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break

@@ -1,0 +1,264 @@
+"""The training loop: DFlash blocks, decayed CE, AdamW + cosine/warmup, clip, DDP, eval, resume.
+
+Distributed invariant: the loss is normalized by the *global* sum of valid-slot weights and scaled
+by the world size (DDP averages gradients), so W ranks sharing a global batch compute exactly the
+gradient one process computes on that batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.model import DFlashDrafter
+from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
+from draftforge.train.config import TrainConfig
+from draftforge.train.data import Batch, FeatureSource, Prefetcher, collate, draw_anchors, epoch_order, rank_share, truncate
+from draftforge.train.head import FrozenTargetHead
+from draftforge.train.loss import block_losses, slot_stats, slot_weights, summarize
+
+log = logging.getLogger(__name__)
+VAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class TrainInputs:
+    cfg: TrainConfig
+    dcfg: DFlashConfig
+    train_source: FeatureSource
+    val_source: FeatureSource | None
+    head: FrozenTargetHead  # on `device`, in the compute dtype
+    ckpt_dir: Path
+    resume_key: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rank: int = 0
+    world: int = 1
+    target_hf_path: str | None = None  # warm start source (cfg.init_from_target)
+    logger: Any = None  # draftforge.tracking.RunLogger (rank 0) or None
+
+
+@dataclass
+class TrainResult:
+    model: DFlashDrafter
+    history: list[dict[str, float]]
+    evals: list[dict[str, float]]
+    best: dict[str, Any] | None
+    step: int
+    total_steps: int
+    interrupted: bool = False
+
+
+def total_steps(cfg: TrainConfig, n_seq: int) -> tuple[int, int]:
+    """(steps per epoch, total optimizer steps)."""
+    per_epoch = -(-n_seq // cfg.batch_seqs)
+    total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
+    return per_epoch, total
+
+
+def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
+    warmup = max(1, round(total * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.compute_dtype:
+        return getattr(torch, cfg.compute_dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> Iterator[tuple[int, int, Batch]]:
+    """(global step, epoch, batch) from start_step on; this rank's share of each global batch."""
+    cfg, dcfg = inp.cfg, inp.dcfg
+    feat_dtype = compute_dtype(cfg, inp.device)
+    step = start_step
+    while step < total:
+        epoch, in_epoch = divmod(step, per_epoch)
+        order = epoch_order(len(inp.train_source), cfg.batch_seqs, cfg.seed, epoch)
+        for seqs_of_step in order[in_epoch:]:
+            if step >= total:
+                return
+            mine = rank_share(seqs_of_step, inp.rank, inp.world)
+            items = [truncate(inp.train_source[i], cfg.max_seq_len) for i in mine]
+            anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, mine)]
+            yield step, epoch, collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype)
+            step += 1
+
+
+def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor, attn_impl: str | None):
+    block_embeds = head.embed_ids(batch.block_ids).float()  # (S, N*B, H)
+    h = model(batch.tapped, block_embeds, batch.anchors, attn_impl)
+    return block_losses(h, head.lm_head, batch.targets, batch.valid, weights)
+
+
+@torch.no_grad()
+def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict[str, float]:
+    """Val loss, per-slot top-1 accuracy, simulated acceptance length; sharded over ranks, all-reduced."""
+    cfg, dcfg = inp.cfg, inp.dcfg
+    src = inp.val_source
+    weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
+    n = min(len(src), cfg.val_max_seqs) if src is not None else 0
+    B = dcfg.block_size
+    sums = torch.zeros(2 * B + 2, device=inp.device, dtype=torch.float64)
+    loss_sums = torch.zeros(2, device=inp.device, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for i in range(inp.rank, n, inp.world):
+        item = truncate(src[i], cfg.max_seq_len)
+        anchors = draw_anchors(item[1], cfg.val_num_anchors, cfg.seed + VAL_SEED_OFFSET, 0, i)
+        if anchors.numel() == 0:
+            continue
+        batch = collate([item], [anchors], B, dcfg.mask_token_id, dtype).to(inp.device)
+        with _autocast(inp.device, dtype):
+            out = forward_batch(model, inp.head, batch, weights, cfg.attn_impl)
+        sums += slot_stats(out, batch.valid[..., 1]).double()
+        loss_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double()])
+    model.train(was_training)
+    _all_reduce(sums, inp.world)
+    _all_reduce(loss_sums, inp.world)
+    metrics = {f"val_{k}": v for k, v in summarize(sums.cpu(), B).items()}
+    metrics["val_loss"] = float(loss_sums[0] / loss_sums[1]) if loss_sums[1] > 0 else float("nan")
+    metrics["val_blocks"] = float(sums[-1])
+    return metrics
+
+
+def build_model(inp: TrainInputs) -> DFlashDrafter:
+    torch.manual_seed(inp.cfg.seed)
+    model = DFlashDrafter(inp.dcfg, attn_impl=inp.cfg.attn_impl)
+    if inp.cfg.init_from_target and inp.target_hf_path:
+        from draftforge.drafter.warm_start import init_from_target
+
+        used = init_from_target(model, inp.target_hf_path, list(inp.cfg.init_layers) if inp.cfg.init_layers else None)
+        log.info("warm start: draft layers from target layers %s", used)
+    return model.to(inp.device)
+
+
+def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
+    """Train (or resume) to cfg's total steps; `stop_at_step` simulates an interruption (tests)."""
+    cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
+    if cfg.batch_seqs % inp.world:
+        raise ValueError(f"train.batch_seqs={cfg.batch_seqs} must be a multiple of the world size {inp.world}")
+    per_epoch, total = total_steps(cfg, len(inp.train_source))
+    dtype = compute_dtype(cfg, inp.device)
+    model = build_model(inp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                            fused=inp.device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    step, history, evals, best = 0, [], [], None
+    payload = load_latest(inp.ckpt_dir, inp.resume_key)
+    if payload is not None:
+        model.load_state_dict(payload["model"])
+        opt.load_state_dict(payload["optimizer"])
+        sched.load_state_dict(payload["scheduler"])
+        step, history, evals, best = payload["step"], payload["history"], payload["evals"], payload["best"]
+        set_rng_state(payload["rng"])
+    ddp = model
+    if inp.world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[inp.device.index] if inp.device.type == "cuda" else None)
+    fwd_model = torch.compile(ddp) if cfg.compile else ddp
+    weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
+
+    def checkpoint(at: int) -> None:
+        if rank0:
+            save_checkpoint(inp.ckpt_dir, at, {
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "step": at, "history": history, "evals": evals, "best": best, "rng": rng_state(),
+                "resume_key": inp.resume_key, "dcfg": dcfg.to_dict(),
+            }, keep=cfg.keep_checkpoints)
+        if inp.world > 1:
+            dist.barrier()
+
+    def run_eval(at: int) -> None:
+        nonlocal best
+        if inp.val_source is None:
+            return
+        metrics = evaluate(model, inp, dtype)
+        metrics["step"] = at
+        evals.append(metrics)
+        if best is None or metrics["val_sim_tau"] > best["val_sim_tau"]:
+            best = dict(metrics)
+            if rank0:
+                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best})
+        if rank0 and inp.logger is not None:
+            inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=at)
+        if rank0:
+            log.info("step %d: val loss %.4f acc %.3f sim_tau %.3f", at, metrics["val_loss"], metrics["val_acc"], metrics["val_sim_tau"])
+
+    interrupted = False
+    model.train()
+    it = Prefetcher(batches(inp, step, per_epoch, total), depth=cfg.prefetch)
+    bar = tqdm(total=total, initial=step, disable=not rank0, desc="train", unit="step")
+    t_last, tok_acc, blk_acc = time.perf_counter(), 0.0, 0.0
+    try:
+        for step_now, epoch, batch in it:
+            batch = batch.to(inp.device)
+            with _autocast(inp.device, dtype):
+                out = forward_batch(fwd_model, inp.head, batch, weights, cfg.attn_impl)
+            sums = torch.stack([out.weight_sum.float(), out.weighted_ce_sum.detach().float(),
+                                torch.tensor(float(batch.n_tokens), device=inp.device),
+                                batch.valid[..., 1].sum().float() * dcfg.block_size])
+            _all_reduce(sums, inp.world)
+            w_global = sums[0].clamp_min(1e-6)
+            loss = out.weighted_ce_sum / w_global * inp.world
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step = step_now + 1
+            tok_acc += float(sums[2])
+            blk_acc += float(sums[3])
+            rec = {"step": step, "epoch": epoch, "loss": float(sums[1] / w_global), "lr": sched.get_last_lr()[0],
+                   "grad_norm": float(grad_norm)}
+            history.append(rec)
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total:
+                dt = max(time.perf_counter() - t_last, 1e-9)
+                rec_log = {**rec, "ctx_tokens_per_s": tok_acc / dt, "block_tokens_per_s": blk_acc / dt}
+                t_last, tok_acc, blk_acc = time.perf_counter(), 0.0, 0.0
+                if rank0 and inp.logger is not None:
+                    inp.logger.log_metrics({k: v for k, v in rec_log.items() if k != "step"}, step=step)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
+            if step % cfg.eval_every == 0 or step == total:
+                run_eval(step)
+            if step % cfg.ckpt_every == 0 or step == total:
+                checkpoint(step)
+            if stop_at_step is not None and step >= stop_at_step and step < total:
+                if step % cfg.ckpt_every:
+                    checkpoint(step)
+                interrupted = True
+                break
+    finally:
+        it.close()
+        bar.close()
+    return TrainResult(model, history, evals, best, step, total, interrupted)

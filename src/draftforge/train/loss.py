@@ -1,0 +1,86 @@
+"""Decayed block cross-entropy and the acceptance metrics (DESIGN.md §4, training objective).
+
+Slot k (1..B-1) of a block predicts the token at anchor+k with weight w_k = exp(-(k-1)/gamma);
+slot 0 (the anchor itself) and unsupervised / out-of-sequence slots do not count. The loss is
+sum(w * CE) / sum(w) over valid slots. The frozen LM head runs on valid slots only (it dominates
+the cost of small drafters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """(B,) float32: w_0 = 0, w_k = exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class BlockOutputs:
+    """Per valid slot results of one batch (M valid slots)."""
+
+    weighted_ce_sum: torch.Tensor  # scalar, differentiable: sum_k w_k * CE_k
+    weight_sum: torch.Tensor  # scalar: sum of w over valid slots
+    correct: torch.Tensor  # (S, N, B) bool: argmax == target at valid slots (False elsewhere)
+    valid: torch.Tensor  # (S, N, B) bool
+
+
+def block_losses(
+    h: torch.Tensor,  # (S, N*B, H) drafter output after the final norm
+    lm_head: torch.Tensor,  # (V, H) frozen target LM head
+    targets: torch.Tensor,  # (S, N, B)
+    valid: torch.Tensor,  # (S, N, B) bool
+    weights: torch.Tensor,  # (B,)
+    chunk: int = 8192,
+) -> BlockOutputs:
+    S, N, B = valid.shape
+    flat_valid = valid.reshape(-1)
+    hv = h.reshape(S * N * B, -1)[flat_valid]  # (M, H): only valid slots meet the LM head
+    tv = targets.reshape(-1)[flat_valid]  # (M,)
+    wv = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat_valid]  # (M,)
+    ce_parts, hit_parts = [], []
+    for lo in range(0, hv.shape[0], chunk):
+        logits = (hv[lo : lo + chunk] @ lm_head.t()).float()  # (m, V); matmul in the autocast dtype, softmax fp32
+        ce_parts.append(F.cross_entropy(logits, tv[lo : lo + chunk], reduction="none"))
+        hit_parts.append(logits.detach().argmax(-1) == tv[lo : lo + chunk])
+    ce = torch.cat(ce_parts) if ce_parts else h.new_zeros(0, dtype=torch.float32)
+    hits = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
+    correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
+    correct[flat_valid] = hits
+    # h.sum()*0 keeps the graph connected when a batch has no valid slot (DDP needs every grad).
+    weighted = (wv * ce).sum() + h.sum() * 0.0
+    return BlockOutputs(weighted, wv.sum().detach(), correct.view(S, N, B), valid)
+
+
+def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor) -> torch.Tensor:
+    """Sums for per-slot accuracy and simulated acceptance, as one vector (all-reducible).
+
+    anchor_real (S, N) bool. Layout: [correct per slot (B), valid per slot (B), sum of accepted
+    prefix lengths over blocks, number of blocks]. Simulated acceptance of a block = 1 + length of
+    the prefix of slots 1..B-1 whose argmax is right (an invalid slot ends the prefix).
+    """
+    B = out.valid.shape[-1]
+    correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
+    valid_per_slot = out.valid.sum(dim=(0, 1)).float()
+    prefix = torch.cumprod(out.correct[..., 1:].long(), dim=-1).sum(-1).float()  # (S, N)
+    accepted = (prefix * anchor_real).sum().reshape(1)
+    blocks = anchor_real.sum().float().reshape(1)
+    return torch.cat([correct_per_slot, valid_per_slot, accepted, blocks])
+
+
+def summarize(stats: torch.Tensor, block_size: int) -> dict[str, float]:
+    """Metrics from (possibly all-reduced) slot_stats sums: acc_slot_k, acc, sim_tau."""
+    B = block_size
+    correct, valid = stats[:B], stats[B : 2 * B]
+    accepted, blocks = float(stats[2 * B]), float(stats[2 * B + 1])
+    metrics = {f"acc_slot_{k}": float(correct[k] / valid[k]) if valid[k] > 0 else 0.0 for k in range(1, B)}
+    metrics["acc"] = float(correct[1:].sum() / valid[1:].sum()) if valid[1:].sum() > 0 else 0.0
+    metrics["sim_tau"] = 1.0 + accepted / blocks if blocks > 0 else 1.0
+    return metrics
