@@ -6,9 +6,8 @@ from draftforge.paths import stage_dir, stage_marker
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []
 OVERRIDES = [str(o) for o in (_raw_overrides if isinstance(_raw_overrides, list) else shlex.split(str(_raw_overrides)))]
-if config.get("results_root"):
-    OVERRIDES.append(f"results_root={Path(config['results_root']).resolve()}")
-CFG = compose(EXPERIMENT, OVERRIDES)
+_root_override = [f"results_root={Path(config['results_root']).resolve()}"] if config.get("results_root") else []
+CFG = compose(EXPERIMENT, OVERRIDES + _root_override)
 RESULTS = Path(CFG.results_root)
 PYTHON = sys.executable
 

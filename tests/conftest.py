@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random targets described by a real target.json (built once per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tiny_target(results_root: Path, architecture: str = "LlamaForCausalLM", **shape) -> dict:
+    from draftforge.config import compose
+    from draftforge.target.stage import resolve_target
+
+    overrides = ["target=tiny-random", f"target.architecture={architecture}", f"target.random.architecture={architecture}"]
+    overrides += [f"target.random.{k}={v}" for k, v in shape.items()]
+    cfg = compose("smoke", overrides)
+    return resolve_target(cfg.target, results_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_info(tmp_path_factory) -> dict:
+    """target.json record of a 4-layer random Llama (H 128, byte-level ChatML tokenizer)."""
+    return _tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_target_info(tmp_path_factory) -> dict:
+    """target.json record of a 4-layer random Qwen3 (q/k norms) with the same shape."""
+    return _tiny_target(tmp_path_factory.mktemp("tiny-qwen3-target"), architecture="Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def smollm2_target_info() -> dict:
+    """The real default-world target (converted once into results/cache; ~1 min the first time)."""
+    from draftforge.config import compose
+    from draftforge.paths import default_results_root
+    from draftforge.target.stage import resolve_target
+
+    return resolve_target(compose("smoke").target, default_results_root())

@@ -1,0 +1,76 @@
+"""Config tree: every experiment × target composes; typos and wrong types fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftforge.config import compose, stage_overrides, stage_params
+from draftforge.errors import ConfigError
+from draftforge.paths import CONF_DIR
+from draftforge.target.config import default_tap_ids
+
+TARGETS = sorted(p.stem for p in (CONF_DIR / "target").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def test_required_groups_exist() -> None:
+    for name in ("smollm2-135m", "qwen3-8b", "qwen3-4b", "llama3.1-8b", "qwen3.6-27b", "tiny-random"):
+        assert name in TARGETS
+    assert {"default", "smoke"} <= set(EXPERIMENTS)
+    for stage in ("curate", "extract", "train", "evaluate", "baselines"):
+        assert (CONF_DIR / stage / "default.yaml").is_file()
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_experiment_and_target_composes(experiment: str, target: str) -> None:
+    cfg = compose(experiment, [f"target={target}"])
+    assert cfg.experiment_name == experiment
+    assert cfg.target.name == target
+    assert Path(cfg.results_root).is_absolute()
+    for stage in ("target", "curate", "extract", "train", "evaluate", "baselines", "report"):
+        params = stage_params(cfg, stage)
+        assert isinstance(params, dict) and params["experiment_name"] == experiment
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("+curate.not_a_key=3", "not_a_key"),
+        ("train.lr=fast", "train.lr"),
+        ("target.drafter.n_taps=five", "target.drafter.n_taps"),
+        ("target=no-such-target", "no-such-target"),
+        ("target.source=ftp", "target.source"),
+    ],
+)
+def test_bad_config_names_the_key(override: str, named: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose("default", [override])
+    assert named in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_a_yaml_file_fails_at_compose(tmp_path: Path) -> None:
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "train" / "default.yaml").write_text("lr: 1e-3\nlearning_rate_typo: 2\n")
+    with pytest.raises(ConfigError, match="learning_rate_typo"):
+        compose("default", conf_dir=conf)
+
+
+def test_stage_overrides_keep_only_what_a_stage_reads() -> None:
+    overrides = ["evaluate.budgets=[16]", "target=tiny-random", "seed=3", "+train.lr=1", "curate.max_rows=5"]
+    assert stage_overrides("evaluate", overrides) == ["evaluate.budgets=[16]", "target=tiny-random", "seed=3"]
+    assert stage_overrides("report", overrides) == ["seed=3"]
+    assert stage_overrides("train", overrides) == ["target=tiny-random", "seed=3", "+train.lr=1"]
+
+
+def test_default_taps_match_published_drafters() -> None:
+    assert default_tap_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_tap_ids(64, 5) == [1, 16, 31, 46, 61]
+    with pytest.raises(ValueError):
+        default_tap_ids(3, 2)
