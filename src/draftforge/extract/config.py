@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
+
+STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 
 
 @dataclass
 class ExtractConfig:
-    gpus: int = 0  # 0 = CPU (gloo); N = torchrun over N GPUs (NCCL)
+    gpus: int = 0  # 0 = CPU (gloo); N = torchrun over N GPUs (NCCL); Snakemake asks resources: gpu=N
     cpu_procs: int = 1  # processes on CPU when gpus == 0
-    storage_dtype: str = "bfloat16"  # bfloat16 | float32 | float8_e4m3fn
-    tokens_per_batch: int = 16384
-    seqs_per_shard: int = 1024
-    max_seq_len: int = 3072
+    device: str = "auto"  # auto (cuda:LOCAL_RANK when gpus > 0 and CUDA exists, else cpu) | cpu | cuda
+    storage_dtype: str = "bfloat16"  # bfloat16 | float32 | float8_e4m3fn (per token·tap scales)
+    # Compute dtype of the target: "" = target.dtype on CUDA, float32 on CPU.
+    compute_dtype: str = ""
+    # auto = eager on CPU (bit-exact under right padding), sdpa on CUDA; or eager | sdpa | flash_attention_2
+    attn_implementation: str = "auto"
+    splits: List[str] = field(default_factory=lambda: ["train", "val"])  # curate splits to extract (a split without files is skipped)
+    tokens_per_batch: int = 16384  # padded tokens (rows × longest row) per forward
+    max_seq_len: int = 3072  # longer sequences are truncated (counted in index.json)
+    # Shard = fixed set of sequences (independent of world size): rows of one sort window, sorted by
+    # length, cut greedily at tokens_per_shard tokens or seqs_per_shard sequences.
+    tokens_per_shard: int = 65536  # Qwen3-8B, 5 taps, bf16: 40 KiB/token → 2.5 GiB per shard
+    seqs_per_shard: int = 4096
+    sort_window: int = 8192  # consecutive input rows sorted together by length (bucketing scope)
+    stop_after_last_tap: bool = True  # skip later layers and the LM head
+    disk_margin: float = 1.05  # required free bytes = estimate × margin
+    verify_resumed: bool = True  # re-hash shards found complete from an earlier run before indexing
+    dist_timeout_min: int = 720  # torch.distributed timeout (ranks wait at the final barrier)

@@ -1,0 +1,159 @@
+"""`extract` stage entry: plan, preflight, per-rank extraction, then index.json on rank 0.
+
+Launch: `python -m draftforge.extract experiment=NAME` or
+`torchrun --nproc_per_node N -m draftforge.extract experiment=NAME` (NCCL on GPUs with
+device = cuda:LOCAL_RANK, gloo on CPU). Rank r extracts shards i ≡ r (mod N); after a barrier rank 0
+checks every shard's done record, hard-links the shards into the output folder and writes index.json
+last (the marker). Shards stay in the work area, so a rerun after a failure resumes (see runner.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from draftforge.errors import StageError
+from draftforge.extract.config import STORAGE_DTYPES
+from draftforge.extract.index import finalize, verify_owned
+from draftforge.extract.plan import plan_extraction
+from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
+from draftforge.extract.runner import TargetView, read_done, run_rank
+from draftforge.io import read_json, write_json
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Dist:
+    """torch.distributed when launched by torchrun (WORLD_SIZE > 1), no-ops otherwise."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, timeout_min: int) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.active = world_size > 1
+        if self.active and not torch_dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+            torch_dist.init_process_group(backend, timeout=dt.timedelta(minutes=timeout_min), **kw)
+
+    def barrier(self) -> None:
+        if self.active:
+            torch_dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.active and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+def pick_device(cfg, local_rank: int) -> torch.device:
+    want = cfg.device
+    if want not in ("auto", "cpu", "cuda"):
+        raise StageError(f"extract.device={want!r}: use auto, cpu or cuda")
+    if want == "cuda" or (want == "auto" and cfg.gpus > 0):
+        if not torch.cuda.is_available():
+            if want == "cuda":
+                raise StageError("extract.device=cuda: no CUDA device visible")
+            log.warning("extract.gpus=%d but no CUDA device is visible: extracting on CPU", cfg.gpus)
+            return torch.device("cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def compute_dtype(cfg, info: dict[str, Any], device: torch.device) -> torch.dtype:
+    name = cfg.compute_dtype or (info.get("dtype") or "bfloat16" if device.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise StageError(f"extract.compute_dtype={name!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def attn_impl(cfg, device: torch.device) -> str:
+    return cfg.attn_implementation if cfg.attn_implementation != "auto" else ("sdpa" if device.type == "cuda" else "eager")
+
+
+def check_curate(ctx, info: dict[str, Any]) -> None:
+    manifest_path = ctx.input_marker("curate")
+    manifest = read_json(manifest_path, what="curate manifest")
+    fp = manifest.get("target_fingerprint")
+    if fp is not None and fp != info["fingerprint"]:
+        raise StageError(
+            f"{manifest_path}: target_fingerprint {str(fp)[:12]} != target.json fingerprint "
+            f"{info['fingerprint'][:12]}: curate ran for another target; rerun curate"
+        )
+
+
+def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | None = None) -> dict[str, Any] | None:
+    """The whole stage for this rank; returns the index (rank 0) or None. `free_bytes` is the
+    free-space probe (injectable for tests); `stop_after` ends after that many shards (kill test)."""
+    from draftforge.target.load import load_target_model, read_target_info
+
+    cfg = ctx.cfg.extract
+    if cfg.storage_dtype not in STORAGE_DTYPES:
+        raise StageError(f"extract.storage_dtype={cfg.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+    info = read_target_info(ctx.input_marker("target"))
+    check_curate(ctx, info)
+    taps = list(info["drafter"]["target_layer_ids"])
+    device = pick_device(cfg, ctx.local_rank)
+    dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
+    plan = plan_extraction(
+        ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,
+        tokens_per_shard=cfg.tokens_per_shard, seqs_per_shard=cfg.seqs_per_shard, sort_window=cfg.sort_window,
+        extra_key={"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
+                   "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch},
+    )  # fmt: skip
+    shard_dir = Path(ctx.work_dir) / "shards" / plan.key
+    dist = Dist(ctx.rank, ctx.world_size, device, cfg.dist_timeout_min)
+    try:
+        if cfg.verify_resumed:
+            verify_owned(plan, shard_dir, ctx.rank, ctx.world_size)
+        dist.barrier()
+        error = None
+        if ctx.is_rank0:
+            remaining = [s for s in plan.shards if read_done(shard_dir, s, plan.key) is None]
+            need = estimate_bytes(remaining, len(taps) * info["hidden_size"], len(taps), cfg.storage_dtype)
+            error = check_disk(shard_dir, need, cfg.disk_margin, free_bytes)
+            log.info("plan %s: %d shards (%d to do), %d tokens; estimated %.2f GiB to write", plan.key,
+                     len(plan.shards), len(remaining), sum(s.n_tokens for s in plan.shards), need / 2**30)  # fmt: skip
+        error = dist.broadcast(error)
+        if error:
+            raise StageError(error)
+        model = load_target_model(info, dtype=dtype, device=str(device))
+        model.set_attn_implementation(attn)
+        target = TargetView(model, taps, int(info["hidden_size"]), int(info["vocab_size"]),
+                            int(info.get("pad_token_id") or 0), info["fingerprint"])  # fmt: skip
+        stats = run_rank(
+            plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
+            tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
+            stop_after_last_tap=cfg.stop_after_last_tap, progress=ctx.is_rank0, stop_after=stop_after,
+        )  # fmt: skip
+        write_json(shard_dir / f"stats-rank{ctx.rank}.json", {**stats.as_dict(), "world_size": ctx.world_size,
+                                                              "device": str(device), "pid": os.getpid()})  # fmt: skip
+        if stop_after is not None:
+            return None
+        dist.barrier()
+        if not ctx.is_rank0:
+            return None
+        meta = {"target_name": info["name"], "compute_dtype": str(dtype).removeprefix("torch."),
+                "attn_implementation": attn, "device": device.type, "max_seq_len": cfg.max_seq_len,
+                "n_truncated": plan.n_truncated}  # fmt: skip
+        return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
+                        fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta)  # fmt: skip
+    finally:
+        dist.close()
+
+
+def main(ctx) -> None:
+    run_extract(ctx)
