@@ -8,3 +8,5 @@ from dataclasses import dataclass
 @dataclass
 class ReportConfig:
     plots: bool = True
+    # Where `mlflow ui` serves (links in summary.md point there).
+    mlflow_ui_url: str = "http://127.0.0.1:5000"

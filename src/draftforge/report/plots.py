@@ -1,0 +1,105 @@
+"""PNG plots of the summary: tokens/s by method, τ and speedup vs DDTree budget, τ histograms, training curve."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from draftforge.io import atomic_path  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    with atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _label(row: dict[str, Any]) -> str:
+    budget = f"@{row['budget']}" if row.get("budget") not in (None, "", 0) else ""
+    return f"{row['engine']}:{row['method']}{budget}"
+
+
+def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
+    ok = [r for r in rows if r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None]
+    datasets = sorted({str(r.get("dataset")) for r in ok})
+    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(5.5 * max(1, len(datasets)), 4.5), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        sub = [r for r in ok if str(r.get("dataset")) == dataset]
+        labels = [_label(r) for r in sub]
+        colors = ["tab:blue" if r["engine"] == "draftforge" else "tab:orange" for r in sub]
+        ax.barh(labels, [float(r["tokens_per_s"]) for r in sub], color=colors)
+        ax.set_title(dataset)
+        ax.set_xlabel("decode tokens/s (batch 1)")
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle("Decode throughput by method (blue: draftforge engine, orange: vLLM)")
+    return _save(fig, path)
+
+
+def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
+    series: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    chain: dict[str, float] = {}
+    for r in rows:
+        if r.get("status", "ok") != "ok" or r["engine"] != "draftforge":
+            continue
+        if r["method"] == "ddtree" and r.get("budget"):
+            series[str(r.get("dataset"))].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0)))
+        elif r["method"] == "dflash":
+            chain[str(r.get("dataset"))] = float(r.get("tau") or 0)
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for dataset, points in sorted(series.items()):
+        points.sort()
+        budgets = [p[0] for p in points]
+        line = ax_tau.plot(budgets, [p[1] for p in points], marker="o", label=dataset)[0]
+        if dataset in chain:
+            ax_tau.axhline(chain[dataset], color=line.get_color(), linestyle="--", linewidth=0.8)
+        ax_speed.plot(budgets, [p[2] for p in points], marker="o", label=dataset)
+    for ax, ylabel in ((ax_tau, "τ (tokens per verify; dashed: DFlash chain)"), (ax_speed, "speedup vs AR (TPOT ratio)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("DDTree node budget")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    return _save(fig, path)
+
+
+def acceptance_histograms(rows: list[dict[str, Any]], path: Path) -> Path:
+    hists = [r for r in rows if isinstance(r.get("tau_histogram"), (dict, list)) and r.get("status", "ok") == "ok"]
+    n = max(1, len(hists))
+    cols = min(4, n)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(3.6 * cols, 2.8 * ((n + cols - 1) // cols)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for ax, r in zip(axes.flat, hists):
+        ax.set_visible(True)
+        h = r["tau_histogram"]
+        items = sorted((int(k), float(v)) for k, v in h.items()) if isinstance(h, dict) else list(enumerate(map(float, h)))
+        ax.bar([k for k, _ in items], [v for _, v in items], color="tab:green")
+        ax.set_title(f"{r.get('dataset')} {_label(r)}", fontsize=8)
+        ax.set_xlabel("tokens committed per round", fontsize=7)
+    fig.suptitle("Acceptance-length histograms")
+    return _save(fig, path)
+
+
+def training_curve(history: list[dict[str, Any]], path: Path) -> Path:
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [h["step"] for h in history if "loss" in h]
+    ax_loss.plot(steps, [h["loss"] for h in history if "loss" in h], linewidth=0.9)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("train loss (decayed CE)")
+    val = [h for h in history if h.get("val_tau_sim") is not None]
+    ax_tau.plot([h["step"] for h in val], [h["val_tau_sim"] for h in val], marker="o")
+    ax_tau.set_xlabel("step")
+    ax_tau.set_ylabel("val simulated acceptance length")
+    for ax in (ax_loss, ax_tau):
+        ax.grid(alpha=0.3)
+    fig.suptitle("Drafter training")
+    return _save(fig, path)

@@ -1,0 +1,61 @@
+"""Collect the comparable rows of `evaluate` (standalone engine) and `baselines` (vLLM) into one table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from draftforge.errors import StageError
+from draftforge.io import read_json
+
+# One row per dataset × method × budget; the columns of summary.csv in this order.
+COLUMNS: tuple[str, ...] = (
+    "dataset", "engine", "method", "budget", "temperature", "n_prompts", "tokens_per_s", "tpot_ms",
+    "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches", "status",
+)  # fmt: skip
+
+
+def _rows_of(path: Path, engine: str) -> list[dict[str, Any]]:
+    data = read_json(path, what=f"{engine} results")
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise StageError(f"{path}: expected a 'rows' list")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or "method" not in row:
+            raise StageError(f"{path}: rows[{i}] lacks 'method'")
+        out.append({"engine": row.get("engine", engine), "status": row.get("status", "ok"), **row})
+    return out
+
+
+def collect_rows(evaluate_json: Path, baselines_json: Path) -> list[dict[str, Any]]:
+    rows = _rows_of(evaluate_json, "draftforge") + _rows_of(baselines_json, "vllm")
+    return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], r["method"], _num(r.get("budget"), -1)))
+
+
+def _num(value: Any, default: float = math.nan) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def best_ddtree(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per dataset, the DDTree row with the highest tokens/s (chosen on the evaluation data itself)."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["method"] != "ddtree" or row.get("status", "ok") != "ok":
+            continue
+        current = best.get(row.get("dataset"))
+        if current is None or _num(row.get("tokens_per_s"), 0) > _num(current.get("tokens_per_s"), 0):
+            best[row.get("dataset")] = row
+    return best
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
