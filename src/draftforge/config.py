@@ -53,14 +53,17 @@ class RootConfig:
 
 ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
 
-# Sections of the root config each stage's computation depends on (beyond its upstream files).
+# Config keys each stage's computation depends on (beyond its upstream files). Dotted keys name a
+# subsection: curate decontaminates against, and baselines runs on, the evaluate stage's prompt sets,
+# but neither depends on evaluate's methods or budgets.
+PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "evaluate.gsm_symbolic", "evaluate.chitchat")
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "target": ("target",),
-    "curate": ("target", "curate"),
+    "curate": ("target", "curate", *PROMPT_KEYS),
     "extract": ("target", "extract"),
     "train": ("target", "train"),
     "evaluate": ("target", "evaluate"),
-    "baselines": ("target", "baselines", "evaluate"),
+    "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts"),
     "report": ("report",),
 }
 
@@ -116,8 +119,12 @@ def to_plain(node: Any) -> Any:
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The resolved plain dict a stage computes with: what Snakemake tracks in `params`."""
     view: dict[str, Any] = {"experiment_name": cfg.experiment_name, "seed": cfg.seed}
-    for section in STAGE_SECTIONS[stage]:
-        view[section] = to_plain(cfg[section])
+    for key in STAGE_SECTIONS[stage]:
+        *parents, leaf = key.split(".")
+        node, into = cfg, view
+        for part in parents:
+            node, into = node[part], into.setdefault(part, {})
+        into[leaf] = to_plain(node[leaf])
     return view
 
 
@@ -139,5 +146,9 @@ def stage_overrides(stage: str, overrides: Sequence[str]) -> list[str]:
     Passing a stage only these keeps its command line, and so Snakemake's rerun decision, independent
     of overrides aimed at other stages; what it computes is unchanged since it reads only its sections.
     """
-    roots = STAGE_SECTIONS[stage] + GLOBAL_KEYS
-    return [o for o in overrides if override_key(o).split(".", 1)[0] in roots]
+    keys = STAGE_SECTIONS[stage] + GLOBAL_KEYS
+
+    def reads(key: str) -> bool:  # the override sets a key the stage reads, or a parent of one
+        return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
+
+    return [o for o in overrides if reads(override_key(o))]

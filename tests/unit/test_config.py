@@ -63,10 +63,22 @@ def test_unknown_key_in_a_yaml_file_fails_at_compose(tmp_path: Path) -> None:
 
 
 def test_stage_overrides_keep_only_what_a_stage_reads() -> None:
-    overrides = ["evaluate.budgets=[16]", "target=tiny-random", "seed=3", "+train.lr=1", "curate.max_rows=5"]
-    assert stage_overrides("evaluate", overrides) == ["evaluate.budgets=[16]", "target=tiny-random", "seed=3"]
+    overrides = ["evaluate.budgets=[16]", "target=tiny-random", "seed=3", "+train.lr=1", "curate.max_rows=5",
+                 "evaluate.gsm_symbolic.seed=7"]  # fmt: skip
+    assert stage_overrides("evaluate", overrides) == ["evaluate.budgets=[16]", "target=tiny-random", "seed=3", "evaluate.gsm_symbolic.seed=7"]
     assert stage_overrides("report", overrides) == ["seed=3"]
     assert stage_overrides("train", overrides) == ["target=tiny-random", "seed=3", "+train.lr=1"]
+    # held-out prompt seeds change what curate removes and what baselines runs on, budgets do not
+    assert stage_overrides("curate", overrides) == ["target=tiny-random", "seed=3", "curate.max_rows=5", "evaluate.gsm_symbolic.seed=7"]
+    assert stage_overrides("baselines", overrides) == ["target=tiny-random", "seed=3", "evaluate.gsm_symbolic.seed=7"]
+
+
+def test_stage_params_hold_only_what_the_stage_reads() -> None:
+    cfg = compose("smoke")
+    params = stage_params(cfg, "baselines")
+    assert set(params) == {"experiment_name", "seed", "target", "baselines", "evaluate"}
+    assert set(params["evaluate"]) == {"datasets", "dataset_files", "gsm_symbolic", "chitchat", "num_prompts"}
+    assert "budgets" not in params["evaluate"]
 
 
 def test_default_taps_match_published_drafters() -> None:

@@ -38,7 +38,7 @@ def test_stage_commands_carry_only_their_overrides(tmp_path: Path) -> None:
     commands = [line for line in output.splitlines() if "-m draftforge." in line]
     by_stage = {re.search(r"-m draftforge\.(\w+)", c).group(1): c for c in commands}
     assert set(by_stage) == set(STAGES)
-    readers = {"evaluate", "baselines"}  # baselines runs on the evaluate stage's prompt sets
+    readers = {"evaluate", "baselines"}  # baselines runs on as many prompts of the same sets
     for stage in STAGES:
         assert ("evaluate.num_prompts=3" in by_stage[stage]) == (stage in readers), by_stage[stage]
         assert by_stage[stage].count("results_root=") == 1

@@ -1,0 +1,151 @@
+"""End to end: `snakemake --cores all --config experiment=smoke` from a clean copy of the repo, then
+rerun decisions read from Snakemake's own dry-run, then `mlflow ui` in headless Chromium."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+STAGES = ["target", "curate", "extract", "train", "evaluate", "baselines", "report"]
+MARKERS = {
+    "target": "target/target.json", "curate": "curate/manifest.json", "extract": "extract/index.json",
+    "train": "train/metrics.json", "evaluate": "evaluate/evaluate.json", "baselines": "baselines/baselines.json",
+    "report": "report/summary.md",
+}  # fmt: skip
+
+
+def clean_copy(dest: Path) -> Path:
+    """The tracked (and untracked, not ignored) files of the working tree: what a fresh clone holds."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def snakemake(repo: Path, *args: str, timeout: int = 3000) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(repo / "src"),
+           "DRAFTFORGE_CACHE": str(REPO / "results" / "cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+    return subprocess.run([str(BIN / "snakemake"), "--cores", "all", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke_repo(tmp_path_factory) -> Path:
+    repo = clean_copy(tmp_path_factory.mktemp("clean-clone"))
+    started = time.monotonic()
+    result = snakemake(repo, "--config", "experiment=smoke")
+    if result.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (repo / "results" / "smoke" / "logs").glob("*.log"))
+        pytest.fail(f"smoke pipeline failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n{logs}")
+    print(f"smoke pipeline wall time: {time.monotonic() - started:.0f} s")
+    return repo
+
+
+def test_every_stage_wrote_its_outputs(smoke_repo: Path) -> None:
+    exp = smoke_repo / "results" / "smoke"
+    for stage, marker in MARKERS.items():
+        assert (exp / marker).is_file(), f"{stage}: {marker} missing"
+        assert (exp / stage / "provenance.json").is_file(), f"{stage}: provenance.json missing"
+    assert list((exp / "curate").glob("train-*.parquet"))
+    assert list((exp / "extract").glob("shard-*.safetensors"))
+    assert (exp / "train" / "drafter" / "config.json").is_file()
+    for png in ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png"):
+        assert (exp / "report" / png).stat().st_size > 1000
+
+
+def test_report_rows_cover_every_method(smoke_repo: Path) -> None:
+    with open(smoke_repo / "results" / "smoke" / "report" / "summary.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    ours = {(r["method"], r["budget"]) for r in rows if r["engine"] == "draftforge" and r["status"] == "ok"}
+    assert {m for m, _ in ours} >= {"ar", "dflash", "ddtree"}
+    assert len({b for m, b in ours if m == "ddtree"}) >= 2
+    vllm = {r["method"] for r in rows if r["engine"] == "vllm" and r["status"] == "ok"}
+    assert {"ar", "ngram", "dflash"} <= vllm
+    for r in rows:
+        if r["status"] == "ok" and r["method"] in ("dflash", "ddtree") and r["engine"] == "draftforge":
+            assert float(r["tau"]) >= 1.0 and int(float(r["lossless_mismatches"])) == 0
+    text = (smoke_repo / "results" / "smoke" / "report" / "summary.md").read_text()
+    assert "| dataset |" in text and "#/experiments/" in text
+
+
+def planned(repo: Path, *config: str, extra: tuple[str, ...] = ()) -> set[str]:
+    result = snakemake(repo, "-n", "--config", "experiment=smoke", *config, *extra, timeout=600)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:", 1)[1]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+$", table, flags=re.M)} - {"total", "all"}
+
+
+def test_reruns_follow_configs(smoke_repo: Path) -> None:
+    assert planned(smoke_repo) == set()
+    assert planned(smoke_repo, "overrides=[\"evaluate.budgets=[2,4]\"]") == {"evaluate", "report"}
+    assert planned(smoke_repo, "overrides=[\"train.lr=0.001\"]") == {"train", "evaluate", "baselines", "report"}
+    assert planned(smoke_repo, extra=("--forcerun", "extract")) == {"extract", "train", "evaluate", "baselines", "report"}
+    assert planned(smoke_repo, "overrides=[\"target.drafter.num_layers=2\"]") == set(STAGES)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed (scripts/setup.sh --test installs it)")
+def test_mlflow_ui_shows_the_smoke_runs(smoke_repo: Path) -> None:
+    import mlflow
+
+    db = smoke_repo / "results" / "mlflow.db"
+    mlflow.set_tracking_uri(f"sqlite:///{db}")
+    exp = mlflow.get_experiment_by_name("draftforge/smoke")
+    runs = mlflow.search_runs(experiment_ids=[exp.experiment_id])
+    assert set(runs["tags.stage"]) >= set(STAGES)
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{db}", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        shot = smoke_repo / "results" / "smoke" / "report" / "mlflow_ui.png"
+        page = f"{url}/#/experiments/{exp.experiment_id}"
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", f"--user-data-dir={smoke_repo / 'chromium-profile'}",
+                 "--window-size=1600,1000", "--virtual-time-budget=20000"]  # fmt: skip
+        dom = subprocess.run(["chromium", *flags, "--dump-dom", page], capture_output=True, text=True, timeout=180).stdout
+        subprocess.run(["chromium", *flags, f"--screenshot={shot}", page], capture_output=True, timeout=180)
+        assert shot.is_file() and shot.stat().st_size > 10_000
+        assert "draftforge/smoke" in dom
+        run_names = set(runs["tags.mlflow.runName"])
+        shown = [name for name in run_names if name in dom]
+        assert len(shown) >= 3, f"run names not on the page: {sorted(run_names)[:10]}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
