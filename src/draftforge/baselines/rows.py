@@ -1,0 +1,159 @@
+"""Worker results → report rows (the keys shared with `evaluate`), speedup, lossless check, parity.
+
+Pure functions over plain dicts. Invariants: a row carries numbers only when its method's engine
+ran (status "ok"); skipped/failed rows carry the reason and nulls. Speedup = mean TPOT(vLLM AR) /
+mean TPOT(method) on the same dataset and temperature; lossless mismatches count, at T = 0, prompts
+whose tokens differ from vLLM AR's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from draftforge.baselines.metrics import acceptance, check_consistency, delta, timing_summary
+
+ENGINE = "vllm"
+ROW_KEYS = ("dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
+            "speedup_vs_ar", "lossless_mismatches", "n_prompts")  # fmt: skip
+
+
+def empty_row(method: str, dataset: str, temperature: float, status: str, reason: str | None) -> dict[str, Any]:
+    row: dict[str, Any] = {k: None for k in ROW_KEYS}
+    row.update(dataset=dataset, method=method, engine=ENGINE, temperature=float(temperature), status=status, reason=reason)
+    return row
+
+
+def segment_summary(segment: Mapping[str, Any]) -> dict[str, Any]:
+    """Counters delta → acceptance; per-prompt records → timing. Consistency problems listed, not hidden."""
+    d = delta(segment["metrics_before"], segment["metrics_after"])
+    acc = acceptance(d)
+    return {"counters_delta": d, "acceptance": acc, "timing": timing_summary(segment["prompts"]), "consistency_problems": check_consistency(acc)}  # fmt: skip
+
+
+def method_rows(method: str, result: Mapping[str, Any], segments_plan: Sequence[Mapping[str, Any]], num_spec: int | None) -> list[dict[str, Any]]:
+    """One row per (dataset, temperature) of the plan; numbers only from an "ok" result."""
+    status = result.get("status", "failed")
+    if status != "ok":
+        return [empty_row(method, s["dataset"], s["temperature"], status, result.get("reason")) for s in segments_plan]
+    rows = []
+    for seg in result["segments"]:
+        summary = segment_summary(seg)
+        acc, timing = summary["acceptance"], summary["timing"]
+        row = empty_row(method, seg["dataset"], seg["temperature"], "ok", None)
+        tau = 1.0 if method == "ar" else acc["tau"]  # AR: one token per target forward by definition
+        row.update(
+            tokens_per_s=timing["tokens_per_s"],
+            tpot_ms=timing["tpot_ms"],
+            ttft_ms=timing["ttft_ms"],
+            tau=tau,
+            n_prompts=timing["n_prompts"],
+            num_speculative_tokens=num_spec,
+            wall_tokens_per_s=timing["wall_tokens_per_s"],
+            output_tokens=timing["output_tokens"],
+            num_drafts=acc["num_drafts"],
+            num_draft_tokens=acc["num_draft_tokens"],
+            num_accepted_tokens=acc["num_accepted_tokens"],
+            draft_acceptance_rate=acc["draft_acceptance_rate"],
+            acceptance_per_pos=acc["acceptance_per_pos"],
+            counter_problems=summary["consistency_problems"] or None,
+        )
+        if method != "ar" and acc["num_drafts"] == 0:
+            row["reason"] = "no drafts were proposed: τ undefined"
+        rows.append(row)
+    return rows
+
+
+def _tokens_by_prompt(result: Mapping[str, Any]) -> dict[tuple[str, float], dict[str, list[int]]]:
+    out: dict[tuple[str, float], dict[str, list[int]]] = {}
+    for seg in result.get("segments") or []:
+        out[(seg["dataset"], float(seg["temperature"]))] = {p["id"]: p["token_ids"] for p in seg["prompts"]}
+    return out
+
+
+def add_comparisons(rows: list[dict[str, Any]], results: Mapping[str, Mapping[str, Any]]) -> None:
+    """Fill speedup_vs_ar (all temperatures) and lossless_mismatches (T = 0) against the vLLM AR rows."""
+    ar_rows = {(r["dataset"], r["temperature"]): r for r in rows if r["method"] == "ar" and r["status"] == "ok"}
+    ar_tokens = _tokens_by_prompt(results.get("ar", {})) if results.get("ar", {}).get("status") == "ok" else {}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        key = (row["dataset"], row["temperature"])
+        ar = ar_rows.get(key)
+        if ar and ar["tpot_ms"] and row["tpot_ms"]:
+            row["speedup_vs_ar"] = ar["tpot_ms"] / row["tpot_ms"]
+        if row["temperature"] == 0.0 and key in ar_tokens:
+            mine = _tokens_by_prompt(results[row["method"]]).get(key, {})
+            ref = ar_tokens[key]
+            row["lossless_mismatches"] = sum(1 for pid, toks in mine.items() if ref.get(pid) != toks)
+
+
+def _walk_rows(obj: Any, depth: int = 0) -> Iterator[dict[str, Any]]:
+    if depth > 4:
+        return
+    if isinstance(obj, dict):
+        if {"method", "dataset", "tau"} <= set(obj):
+            yield obj
+            return
+        for value in obj.values():
+            yield from _walk_rows(value, depth + 1)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _walk_rows(value, depth + 1)
+
+
+def standalone_dflash_tau(evaluate_dir: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Our engine's DFlash rows at T = 0 per dataset, read from the evaluate stage's JSON files."""
+    found: dict[str, dict[str, Any]] = {}
+    sources: list[str] = []
+    for path in sorted(evaluate_dir.glob("*.json")):
+        if path.name == "provenance.json":
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for row in _walk_rows(data):
+            if row.get("method") != "dflash" or row.get("engine") == ENGINE or row.get("tau") is None:
+                continue
+            if float(row.get("temperature") or 0.0) != 0.0:
+                continue
+            if row["dataset"] not in found:
+                found[row["dataset"]] = row
+                sources.append(str(path))
+    return found, sorted(set(sources))
+
+
+def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, tolerance: float) -> dict[str, Any]:
+    """vLLM-DFlash τ beside our standalone DFlash τ, same prompts, T = 0 (|Δ| / standalone ≤ tolerance)."""
+    block: dict[str, Any] = {"tolerance": tolerance, "evaluate_dir": str(evaluate_dir), "datasets": {}, "all_within": None}
+    if not evaluate_dir.is_dir():
+        block["available"] = False
+        block["reason"] = "no evaluate results yet (run the evaluate stage, then rerun baselines)"
+        return block
+    ours, sources = standalone_dflash_tau(evaluate_dir)
+    block["sources"] = sources
+    vllm_rows = {r["dataset"]: r for r in rows if r["method"] == "dflash" and r["temperature"] == 0.0 and r.get("tau") is not None}
+    for dataset in sorted(set(ours) | set(vllm_rows)):
+        mine, theirs = vllm_rows.get(dataset), ours.get(dataset)
+        entry: dict[str, Any] = {
+            "vllm_tau": mine["tau"] if mine else None,
+            "standalone_tau": float(theirs["tau"]) if theirs else None,
+            "vllm_n_prompts": mine["n_prompts"] if mine else None,
+            "standalone_n_prompts": theirs.get("n_prompts") if theirs else None,
+            "rel_diff": None,
+            "within_tolerance": None,
+        }
+        if mine and theirs and float(theirs["tau"]) > 0:
+            entry["rel_diff"] = abs(mine["tau"] - float(theirs["tau"])) / float(theirs["tau"])
+            entry["within_tolerance"] = entry["rel_diff"] <= tolerance
+        block["datasets"][dataset] = entry
+    checked = [e["within_tolerance"] for e in block["datasets"].values() if e["within_tolerance"] is not None]
+    block["available"] = bool(checked)
+    if checked:
+        block["all_within"] = all(checked)
+    else:
+        block["reason"] = "no dataset has both a vLLM-DFlash τ and a standalone DFlash τ at T=0"
+    return block

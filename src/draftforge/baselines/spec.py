@@ -1,0 +1,153 @@
+"""Per-method engine specs: what `vllm.LLM(...)` gets for ar / ngram / dflash / mtp / eagle3.
+
+A method either yields a spec (JSON for the worker) or a recorded skip with its reason; nothing here
+imports vLLM or torch. Invariants: batch size 1 (max_num_seqs=1), prefix caching off, stats on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftforge.baselines.config import KNOWN_METHODS
+from draftforge.errors import StageError
+
+MODEL_LEN_MARGIN = 64  # room for draft tokens beyond prompt + max_new_tokens
+
+
+@dataclass
+class EngineSettings:
+    device: str  # cpu | cuda
+    dtype: str
+    enforce_eager: bool
+    kv_cache_bytes: int
+    max_model_len: int
+    in_process_engine: bool
+    seed: int
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+            disable_log_stats=False,
+            kv_cache_memory_bytes=self.kv_cache_bytes,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            trust_remote_code=False,
+        )
+        if self.in_process_engine:  # tensor parallel 1: no separate executor worker process
+            kwargs["distributed_executor_backend"] = "uni"
+        return kwargs
+
+
+@dataclass
+class MethodPlan:
+    name: str
+    speculative_config: dict[str, Any] | None = None
+    skip_reason: str | None = None
+    draft_model: str | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        return None if self.speculative_config is None else int(self.speculative_config["num_speculative_tokens"])
+
+
+def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longest_prompt: int, max_new_tokens: int) -> EngineSettings:
+    if device not in ("cpu", "cuda"):
+        raise StageError(f"baselines.device: {device!r} must be auto, cpu or cuda")
+    dtype = bcfg.dtype or ("float32" if device == "cpu" else str(target_info.get("dtype") or "bfloat16"))
+    eager = bool(device == "cpu") if bcfg.enforce_eager is None else bool(bcfg.enforce_eager)
+    if bcfg.kv_cache_gib <= 0:
+        raise StageError(f"baselines.kv_cache_gib: {bcfg.kv_cache_gib} must be > 0")
+    need = longest_prompt + max_new_tokens + MODEL_LEN_MARGIN
+    limit = int(target_info.get("max_position_embeddings") or need)
+    max_len = int(bcfg.max_model_len) if bcfg.max_model_len else min(need, limit)
+    if longest_prompt + max_new_tokens > max_len:
+        raise StageError(
+            f"baselines.max_model_len: {max_len} < longest prompt {longest_prompt} + max_new_tokens {max_new_tokens}"
+        )
+    return EngineSettings(device, dtype, eager, int(bcfg.kv_cache_gib * 2**30), max_len, bool(bcfg.in_process_engine), int(bcfg.seed))
+
+
+def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:
+    """The exported drafter's config.json, checked against the target (layer ids, width, vocab)."""
+    from draftforge.drafter.config import DFlashConfig
+
+    cfg_path = drafter_dir / "config.json"
+    if not cfg_path.is_file() or not (drafter_dir / "model.safetensors").is_file():
+        raise StageError(f"{drafter_dir}: not an exported drafter (needs config.json + model.safetensors)")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    dcfg = DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+    problems = []
+    n_layers = int(target_info["num_layers"])
+    if dcfg.target_num_layers and dcfg.target_num_layers != n_layers:
+        problems.append(f"drafter was built for a {dcfg.target_num_layers}-layer target, target has {n_layers}")
+    if any(not 0 <= t < n_layers for t in dcfg.target_layer_ids):
+        problems.append(f"target_layer_ids {dcfg.target_layer_ids} outside [0, {n_layers - 1}]")
+    if dcfg.target_hidden_size != int(target_info["hidden_size"]):
+        problems.append(f"target_hidden_size {dcfg.target_hidden_size} != target hidden_size {target_info['hidden_size']}")
+    if dcfg.vocab_size != int(target_info["vocab_size"]):
+        problems.append(f"vocab_size {dcfg.vocab_size} != target vocab_size {target_info['vocab_size']}")
+    if problems:
+        raise StageError(f"{cfg_path}: drafter does not match the target: " + "; ".join(problems))
+    return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id}
+
+
+def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_drafter_dir: Path | None) -> MethodPlan:
+    """speculative_config for one method, or a skip with its reason."""
+    if name not in KNOWN_METHODS:
+        raise StageError(f"baselines.methods.{name}: unknown method; known: {', '.join(KNOWN_METHODS)}")
+    k = mcfg.num_speculative_tokens
+    if k is not None and int(k) < 1:
+        raise StageError(f"baselines.methods.{name}.num_speculative_tokens: {k} must be >= 1")
+    if name == "ar":
+        return MethodPlan(name)
+    if name == "ngram":
+        lo, hi = mcfg.prompt_lookup_min or 2, mcfg.prompt_lookup_max or 4
+        if not 1 <= lo <= hi:
+            raise StageError(f"baselines.methods.ngram: prompt_lookup_min {lo} / max {hi} must satisfy 1 <= min <= max")
+        spec = {"method": "ngram", "num_speculative_tokens": int(k or 4), "prompt_lookup_min": int(lo), "prompt_lookup_max": int(hi)}
+        return MethodPlan(name, spec)
+    if name == "dflash":
+        drafter_dir = Path(mcfg.model) if mcfg.model else default_drafter_dir
+        if drafter_dir is None:
+            raise StageError("baselines.methods.dflash.model: no drafter (train stage output missing and none configured)")
+        info = read_drafter_config(drafter_dir.resolve(), target_info)
+        spec = {"method": "dflash", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["block_size"] - 1)}
+        return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
+    if name == "mtp":
+        layers = int(target_info.get("mtp_layers") or 0)
+        if layers <= 0:
+            return MethodPlan(name, skip_reason=f"target {target_info.get('name')!r} has no MTP layers (target.json mtp_layers=0)")
+        return MethodPlan(name, {"method": "mtp", "num_speculative_tokens": int(k or layers)})
+    # eagle3
+    if not mcfg.model:
+        return MethodPlan(name, skip_reason="no EAGLE-3 drafter configured (baselines.methods.eagle3.model)")
+    model = Path(mcfg.model).resolve()
+    if not (model / "config.json").is_file():
+        raise StageError(f"baselines.methods.eagle3.model: {model} has no config.json")
+    return MethodPlan(name, {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(k or 3)}, draft_model=str(model))
+
+
+def worker_spec(plan: MethodPlan, target_info: dict[str, Any], settings: EngineSettings, segments: list[dict[str, Any]],
+                max_new_tokens: int, bcfg: Any) -> dict[str, Any]:  # fmt: skip
+    return {
+        "method": plan.name,
+        "model": str(target_info["hf_path"]),
+        "tokenizer": str(target_info["hf_path"]),
+        "llm_kwargs": settings.llm_kwargs(),
+        "speculative_config": plan.speculative_config,
+        "segments": segments,
+        "max_new_tokens": int(max_new_tokens),
+        "ignore_eos": bool(bcfg.ignore_eos),
+        "seed": int(bcfg.seed),
+        "warmup": int(bcfg.warmup),
+        "warmup_tokens": int(bcfg.warmup_tokens),
+    }

