@@ -1,25 +1,95 @@
-"""Typed config of the `curate` stage (torch-free). Owned by the curate stage."""
+"""Typed config of the `curate` stage (torch-free). Owned by the curate stage.
+
+Order of work (each step streams): sources → normalize → filters → decontaminate → exact/near dedup →
+mixture quota per source → train/val split → regenerate the last assistant turn with the target →
+tokenize with the target's chat template + loss mask → parquet shards + manifest (marker, last).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+SOURCE_KINDS = (
+    "jsonl", "parquet", "hf_disk",  # generic files; records in ShareGPT, OpenAI or prompt/response form
+    "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code",  # packaged default-world corpora
+)  # fmt: skip
+
 
 @dataclass
 class SourceConfig:
     name: str = "?"
-    kind: str = "?"  # jsonl | parquet | hf_disk | chitchat | chatterbot | gsm_symbolic | stdlib_code
-    path: Optional[str] = None
-    weight: float = 1.0
-    cap: Optional[int] = None  # max rows kept from this source
+    kind: str = "?"  # one of SOURCE_KINDS
+    path: Optional[str] = None  # jsonl / parquet / hf_disk: a file or folder
+    weight: float = 1.0  # share of curate.max_rows (when set) this source may fill
+    cap: Optional[int] = None  # max rows kept from this source (after filters and dedup)
+    # Kind-specific: gsm_symbolic {seed, size}; chitchat {max_turns}; chatterbot {categories};
+    # stdlib_code {tasks, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
     options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FilterConfig:
+    min_chars: int = 2  # every message's stripped content must be at least this long
+    max_prompt_chars: int = 4000  # the prompt (all turns before the final assistant turn)
+    max_prompt_tokens: int = 384  # prompt in target tokens (checked before regeneration)
+    min_tokens: int = 8  # whole rendered conversation, after regeneration
+    max_tokens: int = 1024  # whole rendered conversation, after regeneration
+    # What a source yielding zero usable rows does: "error" (StageError naming it) or "warn".
+    on_empty_source: str = "error"
+    # What a malformed record (bad JSON line, missing fields) does: "drop" (counted) or "error".
+    on_malformed: str = "drop"
+
+
+@dataclass
+class DedupConfig:
+    exact: bool = True
+    near: bool = True
+    threshold: float = 0.8  # MinHash Jaccard over word shingles of the prompt
+    num_perm: int = 64
+    shingle: int = 3  # words per shingle
+
+
+@dataclass
+class DecontamConfig:
+    enabled: bool = True
+    eval_sets: bool = True  # every set of draftforge.evaluate.prompts.eval_prompt_sets(cfg)
+    ngram: int = 6  # words per n-gram
+    # A training prompt is contaminated when this fraction of an eval prompt's n-grams occur in it
+    # (eval text inside training text) or of its n-grams occur in one eval prompt (training text is
+    # a piece of an eval prompt). Texts shorter than `ngram` words match on their whole text.
+    threshold: float = 0.5
+    extra_sets: Dict[str, str] = field(default_factory=dict)  # name → JSONL path of extra eval prompts
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = True
+    backend: str = "auto"  # auto (vllm if importable, else hf) | vllm | hf
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 160
+    chunk_rows: int = 64  # rows per persisted chunk (unit of resume)
+    batch_size: int = 16  # HF generate batch
+    truncated: str = "drop"  # hit max_new_tokens without EOS: drop (counted failure) | keep (no EOS in mask)
+    seed: int = 0
+    vllm_kv_cache_bytes: int = 268435456  # 256 MiB
+    vllm_max_model_len: int = 1024
+    vllm_max_num_seqs: int = 64
 
 
 @dataclass
 class CurateConfig:
     sources: List[SourceConfig] = field(default_factory=list)
-    max_rows: Optional[int] = None  # cap on the kept mixture
-    val_fraction: float = 0.05
+    max_rows: Optional[int] = None  # cap on the kept mixture (split by source weight)
+    val_fraction: float = 0.05  # row in val iff hash(id) falls below it (deterministic)
     seed: int = 0
+    shard_rows: int = 2048  # rows per parquet shard
+    preview_rows: int = 20
+    # "last": loss on the final (regenerated) assistant turn only; "all": every assistant turn.
+    mask_turns: str = "last"
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     options: Dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,192 @@
+"""Packaged default-world corpora (no downloads): chitchat-dataset, chatterbot-corpus (English),
+reasoning-gym gsm_symbolic (seeded, disjoint from the evaluation seeds), and code prompts built from
+functions of the Python standard library. Every adapter is deterministic for a given config.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import json
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from draftforge.curate.config import SourceConfig
+from draftforge.curate.schema import Drop, Row, normalize_messages
+from draftforge.errors import StageError
+
+Item = Row | Drop
+
+
+def _package_dir(module: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise StageError(f"curate source: package {pip_name!r} is not installed (pip install {pip_name})")
+    return Path(spec.origin).parent
+
+
+def _eval_opt(eval_cfg: Any, path: str, default: Any) -> Any:
+    node = eval_cfg
+    for key in path.split("."):
+        if node is None:
+            return default
+        node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+    return default if node is None else node
+
+
+def _build(source: str, key: str, raw: list[dict[str, str]], min_chars: int) -> Item:
+    try:
+        return Row(id=f"{source}:{key}", source=source, messages=normalize_messages(raw, min_chars))
+    except Drop as drop:
+        return drop
+
+
+def chitchat_held_out(conv_id: str, holdout_per_10k: int) -> bool:
+    """Same rule as the evaluate stage's held-out chitchat slice (sha256 of the conversation id)."""
+    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:8], 16) % 10000 < holdout_per_10k
+
+
+def iter_chitchat(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
+    """Conversations: speaker groups alternate user/assistant (utterances of one group joined by a
+    newline), first `max_turns` groups, ending on a user turn (the assistant turn is regenerated)."""
+    path = _package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json"
+    max_turns = int(src.options.get("max_turns", 3))
+    holdout = int(_eval_opt(eval_cfg, "chitchat.holdout_per_10k", 0))
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    for conv_id, conv in data.items():
+        if holdout and chitchat_held_out(conv_id, holdout):
+            yield Drop("eval_holdout")
+            continue
+        groups = conv.get("messages") if isinstance(conv, dict) else None
+        if not isinstance(groups, list) or not groups:
+            yield Drop("malformed", f"chitchat {conv_id}")
+            continue
+        raw = []
+        for i, group in enumerate(groups[:max_turns]):
+            text = "\n".join(u.get("text", "") for u in group if isinstance(u, dict))
+            raw.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        if raw[-1]["role"] == "assistant":
+            raw = raw[:-1]
+        yield _build(src.name, conv_id, raw, min_chars)
+
+
+def iter_chatterbot(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
+    """English category files; each conversation's first statement is the prompt (its listed answers
+    are alternatives, not a dialogue, so they are not kept as turns)."""
+    import yaml
+
+    root = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
+    wanted = set(src.options.get("categories") or [])
+    for file in sorted(root.glob("*.yml")):
+        if wanted and file.stem not in wanted:
+            continue
+        try:
+            doc = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            yield Drop("malformed", file.name)
+            continue
+        for n, conv in enumerate((doc or {}).get("conversations") or []):
+            if not isinstance(conv, list) or not conv:
+                yield Drop("malformed", f"{file.name}#{n}")
+                continue
+            first = conv[0]
+            if not isinstance(first, str):
+                yield Drop("non_text", f"{file.name}#{n}")
+                continue
+            yield _build(src.name, f"{file.stem}-{n}", [{"role": "user", "content": first}], min_chars)
+
+
+def iter_gsm_symbolic(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
+    """Item i of create_dataset(seed=s) is drawn from Random(s + i): training seeds [seed, seed + size)
+    must not meet the evaluation seeds [eval_seed, eval_seed + eval_size)."""
+    import reasoning_gym
+
+    seed = int(src.options.get("seed", 0))
+    size = int(src.options.get("size", 1000))
+    eval_seed = int(_eval_opt(eval_cfg, "gsm_symbolic.seed", 1_000_000_000))
+    eval_size = int(_eval_opt(eval_cfg, "gsm_symbolic.size", 200))
+    if seed < eval_seed + eval_size and eval_seed < seed + size:
+        raise StageError(
+            f"curate.sources[{src.name}].options: seeds [{seed}, {seed + size}) overlap the evaluation seeds "
+            f"[{eval_seed}, {eval_seed + eval_size}) (evaluate.gsm_symbolic)"
+        )
+    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=size)
+    for i in range(size):
+        item = ds[i]
+        yield _build(src.name, f"s{seed + i}", [{"role": "user", "content": item["question"]}], min_chars)
+
+
+STDLIB_TASKS = {
+    "explain": "Explain what the following Python function from the standard library module `{module}` does, "
+    "step by step:\n\n```python\n{code}\n```",
+    "docstring": "Write a concise docstring for this Python function from `{module}`:\n\n```python\n{code}\n```",
+    "complete": "Complete the body of this Python function from `{module}`:\n\n```python\n{code}\n```",
+    "review": "Review this Python function from `{module}`: what could go wrong, and how would you test it?"
+    "\n\n```python\n{code}\n```",
+}
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+
+
+def _strip_docstring(fn: ast.FunctionDef, lines: list[str]) -> list[str]:
+    body0 = fn.body[0]
+    if isinstance(body0, ast.Expr) and isinstance(getattr(body0, "value", None), ast.Constant):
+        if isinstance(body0.value.value, str) and len(fn.body) > 1:
+            first, last = body0.lineno - fn.lineno, body0.end_lineno - fn.lineno
+            return lines[:first] + lines[last + 1 :]
+    return lines
+
+
+def iter_stdlib_code(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
+    """One prompt per top-level or method function of lines in [min_lines, max_lines]; the task
+    (explain / docstring / complete / review) is chosen by a hash of the function's qualified name."""
+    root = Path(src.options.get("root") or sysconfig.get_paths()["stdlib"])
+    tasks = list(src.options.get("tasks") or STDLIB_TASKS)
+    bad = [t for t in tasks if t not in STDLIB_TASKS]
+    if bad:
+        raise StageError(f"curate.sources[{src.name}].options.tasks: unknown {bad}; use {list(STDLIB_TASKS)}")
+    lo, hi = int(src.options.get("min_function_lines", 4)), int(src.options.get("max_function_lines", 30))
+    files = sorted(p for p in root.rglob("*.py") if not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1])))
+    for file in files:
+        rel = file.relative_to(root)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        try:
+            text = file.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            yield Drop("malformed", str(rel))
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+                continue
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            fn_lines = lines[start - 1 : node.end_lineno]
+            if not lo <= len(fn_lines) <= hi:
+                continue
+            key = f"{module}.{node.name}:{node.lineno}"
+            task = tasks[int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % len(tasks)]
+            code_lines = fn_lines
+            if task == "docstring":
+                code_lines = _strip_docstring(node, fn_lines[node.lineno - start :])
+            elif task == "complete":
+                code_lines = fn_lines[: max(2, len(fn_lines) // 2)]
+            indent = min((len(s) - len(s.lstrip()) for s in code_lines if s.strip()), default=0)
+            code = "\n".join(s[indent:] for s in code_lines)
+            prompt = STDLIB_TASKS[task].format(module=module, code=code)
+            yield _build(src.name, key, [{"role": "user", "content": prompt}], min_chars)
+
+
+PACKAGED = {
+    "chitchat": iter_chitchat,
+    "chatterbot": iter_chatterbot,
+    "gsm_symbolic": iter_gsm_symbolic,
+    "stdlib_code": iter_stdlib_code,
+}
+
+
+def iter_packaged(src: SourceConfig, *, min_chars: int, eval_cfg: Any = None) -> Iterator[Item]:
+    return PACKAGED[src.kind](src, min_chars, eval_cfg)
