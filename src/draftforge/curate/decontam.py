@@ -4,7 +4,9 @@ Match rule (over normalized words, see dedup.words):
 - exact: the normalized texts are equal (any length); or
 - containment: with W = the word n-grams (n = `ngram`), a training text T and an eval prompt E match
   when |W(T) ∩ W(E)| / |W(E)| ≥ threshold (E, possibly edited, inside T) or
-  |W(T) ∩ W(E)| / |W(T)| ≥ threshold (T is a piece of E). Texts shorter than n words match only exactly.
+  |W(T) ∩ W(E)| / |W(T)| ≥ threshold with |W(T)| ≥ min_piece_ngrams (T is a piece of E; short
+  common phrases like "what did you think of it" are not evidence). Texts shorter than n words
+  match only exactly.
 The index holds the eval prompts only (a few thousand), so memory does not depend on the training data.
 """
 
@@ -58,8 +60,8 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 class Decontaminator:
-    def __init__(self, eval_sets: Mapping[str, Iterable[Any]], *, ngram: int, threshold: float) -> None:
-        self.n, self.threshold = ngram, threshold
+    def __init__(self, eval_sets: Mapping[str, Iterable[Any]], *, ngram: int, threshold: float, min_piece_ngrams: int = 5) -> None:
+        self.n, self.threshold, self.min_piece = ngram, threshold, min_piece_ngrams
         self.set_names: list[str] = []
         self.sizes: dict[str, int] = {}
         self._owner: list[int] = []  # eval prompt index → set index
@@ -99,7 +101,8 @@ class Decontaminator:
                 for pid in self._index.get(g, ()):
                     shared[pid] += 1
             for pid, h in shared.items():
-                if h / self._n_grams[pid] >= self.threshold or h / len(grams) >= self.threshold:
+                piece = len(grams) >= self.min_piece and h / len(grams) >= self.threshold
+                if piece or h / self._n_grams[pid] >= self.threshold:
                     hits_sets.add(self._owner[pid])
         if not hits_sets:
             return None

@@ -30,7 +30,7 @@ from draftforge.curate.regenerate import (
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
-from draftforge.curate.tokenize import end_of_turn_ids, prompt_ids, tokenize_conversation
+from draftforge.curate.tokenize import end_of_turn_ids, prompt_ids, special_strings, tokenize_conversation
 from draftforge.curate.writer import ShardWriter, TokenStats
 from draftforge.errors import StageError
 from draftforge.io import atomic_path, read_json, sha256_json, write_json
@@ -92,7 +92,10 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
         return rows_path, read_json(stats_path, "selection stats")
     decon = None
     if ccfg.decontam.enabled:
-        decon = Decontaminator(eval_sets, ngram=ccfg.decontam.ngram, threshold=ccfg.decontam.threshold)
+        decon = Decontaminator(
+            eval_sets, ngram=ccfg.decontam.ngram, threshold=ccfg.decontam.threshold,
+            min_piece_ngrams=ccfg.decontam.min_piece_ngrams,
+        )  # fmt: skip
         log.info("decontamination against %s", {k: len(v) for k, v in eval_sets.items()})
 
     def count_tokens(msgs: list[dict[str, str]]) -> int:
@@ -152,6 +155,7 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
     truncated_kept = 0
     preview: list[dict[str, Any]] = []
     chunk_rows = ccfg.regenerate.chunk_rows
+    specials = special_strings(tokenizer)
     for k, chunk in enumerate(iter_chunks(rows_path, chunk_rows) if sel["n_rows"] else []):
         gens = read_chunk(chunk_dir, k) if chunk_dir is not None else [None] * len(chunk)
         for row, gen in zip(chunk, gens, strict=True):
@@ -170,7 +174,7 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
                     eot_in_mask, truncated_kept = False, truncated_kept + 1
                 msgs = msgs + [{"role": "assistant", "content": text}]
             try:
-                tok = tokenize_conversation(tokenizer, msgs, eot, ccfg.mask_turns, eot_in_mask)
+                tok = tokenize_conversation(tokenizer, msgs, eot, ccfg.mask_turns, eot_in_mask, specials)
                 n = len(tok.input_ids)
                 if n > f.max_tokens:
                     raise Drop("too_long_tokens")

@@ -41,6 +41,15 @@ def end_of_turn_ids(tokenizer: Any, extra: list[int] | tuple[int, ...] = ()) -> 
     return ids
 
 
+def special_strings(tokenizer: Any) -> list[str]:
+    """Text forms of special/added tokens: inside message content they would tokenize as specials."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            found.add(str(tok.content))
+    return sorted(t for t in found if t)
+
+
 def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -78,8 +87,13 @@ def tokenize_conversation(
     eot_ids: set[int],
     mask_turns: str = "last",
     eot_in_mask: bool = True,
+    specials: list[str] | None = None,
 ) -> Tokenized:
     """input_ids and loss_mask (1 = trained assistant content token or its end-of-turn token)."""
+    if specials:
+        for m in messages:
+            if any(sp in m["content"] for sp in specials):
+                raise Drop("special_token_in_text")
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant:
         raise Drop("no_assistant_turn")
