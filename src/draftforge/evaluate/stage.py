@@ -1,0 +1,176 @@
+"""`evaluate` stage: AR / DFlash / DDTree on the eval prompt sets → results/<exp>/evaluate/.
+
+Outputs: `<dataset>.json` (rows + per-response records) per dataset, then the marker
+`evaluate.json` (all rows; row keys shared with `baselines` so `report` merges them).
+One MLflow run per (dataset, method, budget, temperature), tagged method/dataset/budget/engine.
+CPU by default; with evaluate.gpus = N under torchrun each rank holds one model copy on its GPU,
+takes every N-th prompt, and rank 0 merges the records.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from draftforge.errors import StageError
+from draftforge.evaluate.aggregate import aggregate
+from draftforge.evaluate.config import EvaluateConfig
+from draftforge.evaluate.prompts import eval_prompt_sets
+from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset
+from draftforge.io import write_json
+from draftforge.paths import STAGE_MARKERS
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BEST_NOTE = "best DDTree budget = highest decode tokens/s, chosen on the evaluation data itself (as published numbers do)"
+
+
+def evaluate_config(ctx) -> EvaluateConfig:
+    cfg = OmegaConf.to_object(ctx.cfg.evaluate)  # the structured EvaluateConfig (validated at compose)
+    if not isinstance(cfg, EvaluateConfig):
+        cfg = EvaluateConfig(**OmegaConf.to_container(ctx.cfg.evaluate, resolve=True))
+    return cfg
+
+
+def pick_device(cfg: EvaluateConfig, local_rank: int) -> torch.device:
+    if cfg.gpus > 0:
+        if not torch.cuda.is_available():
+            raise StageError(f"evaluate.gpus={cfg.gpus}: no CUDA device visible (set evaluate.gpus=0 for CPU)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> torch.dtype:
+    name = cfg.dtype or (target_dtype if device.type == "cuda" else "float32")
+    if name not in DTYPES:
+        raise StageError(f"evaluate.dtype: {name!r} is not one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
+    from draftforge.engine import wrap_target
+    from draftforge.target.load import load_target_model, load_tokenizer
+
+    drafter = None
+    if any(m != "ar" for m, _ in plan):
+        from draftforge.drafter import load_drafter
+
+        ctx.input_marker("train")
+        drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
+        check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
+    model = load_target_model(info, dtype=dtype, device=str(device))
+    taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
+    try:
+        tm = wrap_target(model, taps)
+    except ValueError as exc:
+        raise StageError(f"{info['hf_path']}: {exc}") from None
+    eos = [int(e) for e in (info.get("eos_token_ids") or [])]
+    return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens)
+
+
+def check_drafter(dcfg, info: dict[str, Any], where) -> None:
+    problems = []
+    if dcfg.hidden_size != int(info["hidden_size"]):
+        problems.append(f"hidden_size {dcfg.hidden_size} != target {info['hidden_size']}")
+    if dcfg.vocab_size != int(info["vocab_size"]):
+        problems.append(f"vocab_size {dcfg.vocab_size} != target {info['vocab_size']}")
+    if any(not 0 <= t < int(info["num_layers"]) for t in dcfg.target_layer_ids):
+        problems.append(f"target_layer_ids {dcfg.target_layer_ids} outside the target's {info['num_layers']} layers")
+    if problems:
+        raise StageError(f"{where}: drafter does not fit this target: " + "; ".join(problems))
+
+
+def init_distributed(ctx, device: torch.device) -> None:
+    if ctx.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=120))
+
+
+def gather_records(ctx, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if ctx.world_size == 1:
+        return records
+    parts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(parts, records)
+    return [r for part in parts for r in part]
+
+
+def main(ctx) -> None:
+    from draftforge.target.load import read_target_info
+
+    cfg = evaluate_config(ctx)
+    info = read_target_info(ctx.input_marker("target"))
+    plan = method_plan(cfg.methods, cfg.budgets, bool(info.get("hybrid_attention")), info.get("name", ""))
+    if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
+        raise StageError(f"evaluate.temperatures: {cfg.temperatures} must be a non-empty list of values >= 0")
+    if cfg.max_new_tokens < 1:
+        raise StageError(f"evaluate.max_new_tokens: {cfg.max_new_tokens} must be >= 1")
+    if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
+        log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
+    device = pick_device(cfg, ctx.local_rank)
+    init_distributed(ctx, device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
+    sets = eval_prompt_sets(cfg, limit=cfg.num_prompts or None)
+    es = load_engines(ctx, cfg, info, plan, device, dtype)
+
+    all_rows: list[dict[str, Any]] = []
+    files = {}
+    for dataset, prompts in sets.items():
+        mine = [(i, p) for i, p in enumerate(prompts) if i % ctx.world_size == ctx.rank]
+        records: list[dict[str, Any]] = []
+        for temp in cfg.temperatures:
+            records += run_dataset(es, plan, dataset, mine, float(temp), cfg.seed, cfg.warmup, show=ctx.is_rank0)
+        records = gather_records(ctx, records)
+        if not ctx.is_rank0:
+            continue
+        rows = aggregate(records)
+        all_rows += rows
+        path = ctx.out_dir / f"{dataset}.json"
+        write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
+                          "device": str(device), "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE,
+                          "rows": rows, "responses": sorted(records, key=lambda r: (r["prompt_index"], r["turn"]))})
+        files[dataset] = path.name
+        log_rows(ctx, rows)
+        for row in rows:
+            log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f tau=%.2f speedup=%.2f mismatches=%s", dataset,
+                     row["temperature"], row["method"], row["budget"], row["tokens_per_s"] or 0, row["tau"] or 0,
+                     row["speedup_vs_ar"] or 0, row["lossless_mismatches"])
+    if ctx.is_rank0:
+        write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
+            "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
+            "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
+            "note": BEST_NOTE, "rows": all_rows,
+        })  # fmt: skip
+    if ctx.world_size > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
+    """One MLflow run per (dataset, method, budget, temperature)."""
+    from draftforge.tracking import mlflow_run
+
+    kw = ctx.tracking_kwargs()
+    base_tags = kw.pop("tags")
+    for row in rows:
+        budget = row["budget"] if row["budget"] is not None else ""
+        tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
+                "engine": "draftforge", "temperature": row["temperature"]}
+        if row["method"] == "ddtree":
+            tags["best_budget"] = row.get("best_budget", False)
+        name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
+        with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
+            metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar",
+                                           "lossless_mismatches", "round_ms", "overhead_pct", "draft_prefill_ms")
+                       if isinstance(row.get(k), (int, float))}
+            metrics.update({f"stage_ms_{s}": v for s, v in row["stage_ms"].items() if v is not None})
+            run.log_metrics(metrics)
+            for k, count in row["tau_histogram"].items():
+                run.log_metrics({"tau_hist": count}, step=int(k))

@@ -1,0 +1,58 @@
+"""The evaluate stage end to end on a tiny random target + random drafter (CPU), MLflow on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from evaluate_fixtures import tiny_pipeline  # noqa: E402
+
+from draftforge.cli import run_stage  # noqa: E402
+from draftforge.evaluate.stage import main  # noqa: E402
+
+pytestmark = pytest.mark.integration
+ROW_KEYS = {"dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
+            "speedup_vs_ar", "lossless_mismatches", "n_prompts"}
+
+
+def _args(root: Path, *extra: str) -> list[str]:
+    return ["experiment=smoke", "target=tiny-random", f"results_root={root}",
+            "evaluate.datasets=[chitchat,gsm_symbolic]", "evaluate.gsm_symbolic.size=3", "evaluate.num_prompts=2",
+            "evaluate.max_new_tokens=12", "evaluate.budgets=[1,32]", "evaluate.warmup=1", *extra]
+
+
+def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
+    tiny_pipeline(tmp_path)
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]"))
+    out = tmp_path / "smoke" / "evaluate"
+    marker = json.loads((out / "evaluate.json").read_text())
+    assert marker["datasets"] == ["chitchat", "gsm_symbolic"]
+    rows = marker["rows"]
+    assert len(rows) == 2 * 2 * 4  # datasets × temperatures × (ar, dflash, ddtree@1, ddtree@32)
+    for row in rows:
+        assert ROW_KEYS <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
+        assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+        if row["temperature"] == 0.0:
+            assert row["lossless_mismatches"] == 0, row  # fp32 CPU: exact
+        else:
+            assert row["lossless_mismatches"] is None
+    ar = [r for r in rows if r["method"] == "ar"]
+    assert all(r["tau"] == 1.0 and r["speedup_vs_ar"] == pytest.approx(1.0) for r in ar)
+    assert sum(r.get("best_budget", False) for r in rows) == 4  # one best budget per dataset × temperature
+    per = json.loads((out / "chitchat.json").read_text())
+    assert len(per["responses"]) == 2 * 2 * 4 and "best" in per["note"]
+    resp = per["responses"][0]
+    assert {"tokens", "accept_lengths", "stage_s", "ttft_s", "decode_s", "tpot_s"} <= set(resp)
+    assert (out / "evaluate.json").stat().st_mtime >= (out / "gsm_symbolic.json").stat().st_mtime
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["draftforge/smoke"], filter_string="tags.stage = 'evaluate'")
+    assert len(runs) == 16
+    assert set(runs["tags.engine"]) == {"draftforge"}
+    assert set(runs["tags.method"]) == {"ar", "dflash", "ddtree"}
+    assert set(runs["tags.budget"]) == {"", "1", "32"} and set(runs["tags.dataset"]) == {"chitchat", "gsm_symbolic"}

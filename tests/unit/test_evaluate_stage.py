@@ -1,0 +1,52 @@
+"""evaluate stage pieces: method plan, clear errors, multi-turn split, aggregation definitions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftforge.cli import run_stage  # noqa: E402
+from draftforge.errors import StageError  # noqa: E402
+from draftforge.evaluate.aggregate import aggregate, first_mismatch  # noqa: E402
+from draftforge.evaluate.runner import method_plan, split_turns  # noqa: E402
+from draftforge.evaluate.stage import main  # noqa: E402
+
+def _args(root: Path, *extra: str) -> list[str]:
+    return ["experiment=smoke", "target=tiny-random", f"results_root={root}", "tracking.enabled=false",
+            "evaluate.datasets=[chitchat,gsm_symbolic]", "evaluate.gsm_symbolic.size=3", "evaluate.num_prompts=2",
+            "evaluate.max_new_tokens=12", "evaluate.budgets=[1,32]", "evaluate.warmup=1", *extra]
+
+
+def test_bad_inputs_are_one_clear_error(tmp_path):
+    with pytest.raises(StageError, match="ddtree refused for hybrid-attention target"):
+        method_plan(["ar", "ddtree"], [16], hybrid=True, target="qwen3.6-27b")
+    with pytest.raises(StageError, match="evaluate.methods: unknown"):
+        method_plan(["ar", "medusa"], [16])
+    with pytest.raises(StageError, match="evaluate.budgets"):
+        method_plan(["ddtree"], [0])
+    with pytest.raises(SystemExit):  # no target stage yet → exit 2 with one line
+        run_stage("evaluate", main, argv=_args(tmp_path))
+
+
+def test_split_turns_multiturn():
+    convo = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert split_turns(convo) == [[convo[0]], convo]
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"}]
+    assert split_turns(chat) == [chat]
+
+
+def test_aggregate_definitions():
+    def rec(method, budget, tokens, accepts, decode_s, idx=0):
+        return {"dataset": "d", "temperature": 0.0, "prompt_index": idx, "turn": 0, "method": method, "budget": budget,
+                "tokens": tokens, "accept_lengths": accepts, "n_decode": len(tokens) - 1, "decode_s": decode_s,
+                "tpot_s": decode_s / (len(tokens) - 1), "ttft_s": 0.1, "draft_prefill_s": 0.0,
+                "stage_s": {"draft": [0.1], "build": [0.01], "verify": [0.2], "commit": [0.01]}}
+    records = [rec("ar", None, [1, 2, 3, 4, 5], [1] * 4, 0.4), rec("ddtree", 8, [1, 2, 3, 4, 5], [3, 2], 0.1),
+               rec("dflash", None, [1, 2, 9, 4, 5], [2, 2], 0.2)]
+    rows = {r["method"]: r for r in aggregate(records)}
+    assert rows["ddtree"]["tau"] == 2.5 and rows["ddtree"]["speedup_vs_ar"] == pytest.approx(4.0)
+    assert rows["ddtree"]["tau_histogram"] == {"2": 1, "3": 1} and rows["ddtree"]["best_budget"]
+    assert rows["dflash"]["lossless_mismatches"] == 1 and rows["dflash"]["mismatch_positions"] == [2]
+    assert rows["ar"]["tokens_per_s"] == pytest.approx(10.0)
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2 and first_mismatch([1], [1]) is None
