@@ -43,8 +43,9 @@ def make_batches(lengths: np.ndarray, tokens_per_batch: int) -> list[Batch]:
 
 def pad_batch(
     input_ids: np.ndarray, offsets: np.ndarray, batch: Batch, pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ids → (ids (B, T) long, mask (B, T) long), right padded with pad_id (value irrelevant)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed ids → (ids (B, T) long, mask (B, T) long, valid (N,) long flat indices of the mask's
+    ones in row-major order), right padded with pad_id (its value never matters: masked)."""
     rows = batch.stop - batch.first
     ids = np.full((rows, batch.padded_len), pad_id, dtype=np.int64)
     mask = np.zeros((rows, batch.padded_len), dtype=np.int64)
@@ -52,4 +53,5 @@ def pad_batch(
         a, b = int(offsets[batch.first + r]), int(offsets[batch.first + r + 1])
         ids[r, : b - a] = input_ids[a:b]
         mask[r, : b - a] = 1
-    return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(mask).to(device, non_blocking=True)
+    valid = np.flatnonzero(mask)  # row-major: batch row, then position = shard token order
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (ids, mask, valid))

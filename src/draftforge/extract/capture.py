@@ -51,7 +51,7 @@ class TapCapture:
         self.layers = layers
         self.layer_ids = list(layer_ids)
         self.stop_after_last = stop_after_last
-        self._valid: torch.Tensor | None = None  # (B, T) bool, set during run()
+        self._valid: torch.Tensor | None = None  # (N,) flat indices of valid tokens in B·T, set during run()
         self._out: list[torch.Tensor] = []
 
     def _hook(self, tap: int):
@@ -59,7 +59,8 @@ class TapCapture:
 
         def hook(module: nn.Module, args, output) -> None:
             hidden = output[0] if isinstance(output, tuple) else output  # (B, T, H)
-            self._out.append(hidden[self._valid])  # (N, H): padding rows dropped here
+            # (N, H): padding rows dropped here; index_select needs no host sync (boolean masks do)
+            self._out.append(hidden.flatten(0, 1).index_select(0, self._valid))
             if last and self.stop_after_last:
                 raise _StopForward
 
@@ -75,9 +76,17 @@ class TapCapture:
                 h.remove()
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) long, attention_mask (B, T) 0/1 with right padding → (N, n_taps·H)."""
-        self._valid = attention_mask.bool()
+    def run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids (B, T) long, attention_mask (B, T) 0/1 with right padding → (N, n_taps·H).
+
+        valid_index (N,) long: flat positions of the mask's ones (computed on the host by the batcher
+        to avoid a device sync); derived from the mask when omitted.
+        """
+        if valid_index is None:
+            valid_index = attention_mask.flatten().nonzero().squeeze(1)
+        self._valid = valid_index
         self._out = []
         try:
             with self._hooks():

@@ -110,8 +110,8 @@ class ShardExtractor:
         hidden, scale = self._host[slot][:n], (self._scale[slot][:n] if self._scale[slot] is not None else None)
         padded = 0
         for batch in make_batches(shard.lengths, self.tokens_per_batch):
-            ids, mask = pad_batch(rows.input_ids, rows.offsets, batch, self.target.pad_id, self.device)
-            feats = self.capture.run(ids, mask)  # (n_b, n_taps·H), valid tokens in shard order
+            ids, mask, valid = pad_batch(rows.input_ids, rows.offsets, batch, self.target.pad_id, self.device)
+            feats = self.capture.run(ids, mask, valid)  # (n_b, n_taps·H), valid tokens in shard order
             if feats.shape[0] != batch.n_tokens:
                 raise RuntimeError(f"batch produced {feats.shape[0]} rows, expected {batch.n_tokens}")
             enc, sc = encode_hidden(feats, self.n_taps, self.storage_dtype)
