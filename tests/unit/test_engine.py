@@ -63,7 +63,7 @@ def test_kv_cache_crop_compact():
     before = [k.clone() for k in cache.k]
     cache.compact(torch.tensor([3, 5, 6]), 3)
     assert cache.length == 6
-    for k, old in zip(cache.k, before):
+    for k, old in zip(cache.k, before):  # views of the one buffer
         torch.testing.assert_close(k[:, :, :3], old[:, :, :3])
         torch.testing.assert_close(k[:, :, 3:6], old[:, :, [3, 5, 6]])
     cache.crop(2)

@@ -86,29 +86,36 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
 
 
 class KVCache:
-    """Static per-layer K/V buffers (1, n_kv, capacity, hd) with a committed length."""
+    """Static K/V buffer (layers, 2, n_kv, capacity, hd) with a committed length.
+
+    One tensor for all layers, so compaction is a single gather + copy however deep the model is.
+    `k[i]` / `v[i]` are (1, n_kv, capacity, hd) views of layer i.
+    """
 
     def __init__(self, tm: TargetModel, capacity: int) -> None:
-        shape = (1, tm.num_kv_heads, capacity, tm.head_dim)
-        self.k = [torch.empty(shape, device=tm.device, dtype=tm.dtype) for _ in tm.layers]
-        self.v = [torch.empty(shape, device=tm.device, dtype=tm.dtype) for _ in tm.layers]
+        self.buf = torch.empty(len(tm.layers), 2, tm.num_kv_heads, capacity, tm.head_dim, device=tm.device, dtype=tm.dtype)
         self.length = 0
+        self._views()
+
+    def _views(self) -> None:
+        self.k = [self.buf[i, 0][None] for i in range(self.buf.shape[0])]
+        self.v = [self.buf[i, 1][None] for i in range(self.buf.shape[0])]
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.buf.shape[3]
 
     def ensure(self, n: int) -> None:
         """Room for n more rows after `length` (grows by doubling; keeps the committed rows)."""
         need = self.length + n
         if need <= self.capacity:
             return
-        cap = max(need, 2 * self.capacity)
-        for buf in (self.k, self.v):
-            for i, old in enumerate(buf):
-                new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
-                new[:, :, : self.length] = old[:, :, : self.length]
-                buf[i] = new
+        old = self.buf
+        shape = list(old.shape)
+        shape[3] = max(need, 2 * self.capacity)
+        self.buf = old.new_empty(shape)
+        self.buf[:, :, :, : self.length] = old[:, :, :, : self.length]
+        self._views()
 
     def crop(self, n: int) -> None:
         if not 0 <= n <= self.length:
@@ -121,9 +128,7 @@ class KVCache:
         Used after tree verification: keep the accepted path's rows contiguously after the past.
         """
         m = rows.shape[0]
-        for buf in (self.k, self.v):
-            for t in buf:
-                t[:, :, dst : dst + m] = t.index_select(2, rows)  # gather first: source/dest may overlap
+        self.buf[:, :, :, dst : dst + m] = self.buf.index_select(3, rows)  # gather first: rows may overlap
         self.length = dst + m
 
 
@@ -146,6 +151,19 @@ def causal_mask(past: int, n: int, device: torch.device, dtype: torch.dtype) -> 
     cols = torch.arange(past + n, device=device)
     rows = torch.arange(n, device=device)[:, None] + past
     return torch.zeros((), device=device, dtype=dtype).masked_fill(cols[None, :] > rows, float("-inf"))[None, None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA. Without a mask (one decode token) GQA goes to the flash kernel via enable_gqa; with a
+    mask, K/V heads are expanded so CUDA can use the memory-efficient kernel (GQA + mask would fall
+    back to the math kernel). Same math either way."""
+    group = q.shape[1] // k.shape[1]
+    if mask is None or group == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    b, h, L, d = k.shape
+    k = k[:, :, None].expand(b, h, group, L, d).reshape(b, h * group, L, d)
+    v = v[:, :, None].expand(b, h, group, L, d).reshape(b, h * group, L, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 @torch.no_grad()
@@ -184,10 +202,7 @@ def forward(
         k = k * cos + _rotate_half(k) * sin
         cache.k[i][:, :, past:end] = k
         cache.v[i][:, :, past:end] = v
-        o = F.scaled_dot_product_attention(
-            q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], attn_mask=mask, scale=attn.scaling,
-            enable_gqa=tm.num_heads != tm.num_kv_heads,
-        )  # (1, heads, n, hd)
+        o = _attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask, attn.scaling)  # (1, heads, n, hd)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(1, n, tm.num_heads * tm.head_dim))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         slot = tm._tap_pos.get(i)

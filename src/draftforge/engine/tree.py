@@ -67,7 +67,7 @@ def build_tree(bonus: int, logp: list[list[float]], tokens: list[list[int]], bud
 
 
 def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents, depths (n,) on device → bool (n, n): [i, j] = j is i or an ancestor of i.
+    """parents, depths (n,) → bool (n, n): [i, j] = j is i or an ancestor of i.
 
     Built level by level (topological order guarantees parents' rows are final first).
     """
@@ -87,11 +87,14 @@ def tree_inputs(
     Each node attends to the whole committed past [0, start), its ancestors and itself only.
     """
     n = len(tree)
-    meta = torch.tensor([tree.tokens, tree.parents, tree.depths], dtype=torch.long).to(device, non_blocking=True)
-    ids, parents, depths = meta[0], meta[1].clamp(min=0), meta[2]
-    anc = ancestor_matrix(parents, depths, max(tree.depths))
+    # Small index work on the host (no per-level kernel launches), one copy of the (n, n) bool matrix.
+    meta = torch.tensor([tree.tokens, tree.parents, tree.depths], dtype=torch.long)  # (3, n) CPU
+    anc = ancestor_matrix(meta[1].clamp(min=0), meta[2], max(tree.depths))
+    anc = anc.pin_memory() if device.type == "cuda" else anc
+    ids = meta[0].to(device, non_blocking=True)
+    depths = meta[2].to(device, non_blocking=True)
     mask = torch.zeros(n, start + n, device=device, dtype=dtype)
-    mask[:, start:].masked_fill_(~anc, float("-inf"))
+    mask[:, start:].masked_fill_(~anc.to(device, non_blocking=True), float("-inf"))
     return ids[None], start + depths, mask[None, None]
 
 
