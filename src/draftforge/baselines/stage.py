@@ -87,7 +87,8 @@ def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: lis
             record[key] = result[key]
     if result.get("status") == "ok":
         record["segments"] = [
-            {"dataset": s["dataset"], "temperature": s["temperature"], **segment_summary(s), "prompts": s["prompts"]}
+            {"dataset": s["dataset"], "temperature": s["temperature"], **segment_summary(s),
+             "metrics_before": s["metrics_before"], "metrics_after": s["metrics_after"], "prompts": s["prompts"]}
             for s in result["segments"]
         ]
     return record
