@@ -59,7 +59,7 @@ class DecontamConfig:
     # (eval text inside training text) or of its n-grams occur in one eval prompt (training text is
     # a piece of an eval prompt). Texts shorter than `ngram` words match on their whole text.
     threshold: float = 0.5
-    min_piece_ngrams: int = 5  # the "training text is a piece of an eval prompt" rule needs this many n-grams
+    min_shared_ngrams: int = 5  # containment needs at least this many shared n-grams (exact copies always match)
     extra_sets: Dict[str, str] = field(default_factory=dict)  # name → JSONL path of extra eval prompts
 
 

@@ -2,10 +2,10 @@
 
 Match rule (over normalized words, see dedup.words):
 - exact: the normalized texts are equal (any length); or
-- containment: with W = the word n-grams (n = `ngram`), a training text T and an eval prompt E match
-  when |W(T) ∩ W(E)| / |W(E)| ≥ threshold (E, possibly edited, inside T) or
-  |W(T) ∩ W(E)| / |W(T)| ≥ threshold with |W(T)| ≥ min_piece_ngrams (T is a piece of E; short
-  common phrases like "what did you think of it" are not evidence). Texts shorter than n words
+- containment: with W = the word n-grams (n = `ngram`) and h = |W(T) ∩ W(E)| for a training text T
+  and an eval prompt E: h ≥ min_shared_ngrams and (h / |W(E)| ≥ threshold (E, possibly edited,
+  inside T) or h / |W(T)| ≥ threshold (T is a piece of E)). The absolute floor keeps short common
+  phrases ("hello how are you doing today") from counting as evidence; texts shorter than n words
   match only exactly.
 The index holds the eval prompts only (a few thousand), so memory does not depend on the training data.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from draftforge.curate.dedup import words
+from draftforge.curate.dedup import ngram_hashes, words
 from draftforge.errors import StageError
 
 
@@ -60,14 +60,14 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 class Decontaminator:
-    def __init__(self, eval_sets: Mapping[str, Iterable[Any]], *, ngram: int, threshold: float, min_piece_ngrams: int = 5) -> None:
-        self.n, self.threshold, self.min_piece = ngram, threshold, min_piece_ngrams
+    def __init__(self, eval_sets: Mapping[str, Iterable[Any]], *, ngram: int, threshold: float, min_shared_ngrams: int = 5) -> None:
+        self.n, self.threshold, self.min_shared = ngram, threshold, min_shared_ngrams
         self.set_names: list[str] = []
         self.sizes: dict[str, int] = {}
         self._owner: list[int] = []  # eval prompt index → set index
         self._n_grams: list[int] = []  # eval prompt index → |W(E)|
         self._exact: dict[str, list[int]] = {}
-        self._index: dict[str, list[int]] = {}  # n-gram → eval prompt indices
+        self._index: dict[int, list[int]] = {}  # n-gram hash → eval prompt indices
         self.removed: Counter[str] = Counter()
         for set_name, items in eval_sets.items():
             set_idx = len(self.set_names)
@@ -86,13 +86,17 @@ class Decontaminator:
                     self._index.setdefault(g, []).append(pid)
                 self.sizes[set_name] += 1
 
-    def _grams(self, ws: list[str]) -> set[str]:
-        n = self.n
-        return {" ".join(ws[i : i + n]) for i in range(len(ws) - n + 1)}
+    def _grams(self, ws: list[str]) -> set[int]:
+        """Distinct word n-gram hashes; empty for a text shorter than n words."""
+        if len(ws) < self.n:
+            return set()
+        return set(ngram_hashes(ws, self.n))
 
     def match(self, text: str) -> str | None:
+        return self.match_words(words(text))
+
+    def match_words(self, ws: list[str]) -> str | None:
         """Name of the first eval set (in config order) this training text overlaps, else None."""
-        ws = words(text)
         hits_sets: set[int] = {self._owner[p] for p in self._exact.get(" ".join(ws), ())}
         grams = self._grams(ws)
         if grams:
@@ -101,8 +105,7 @@ class Decontaminator:
                 for pid in self._index.get(g, ()):
                     shared[pid] += 1
             for pid, h in shared.items():
-                piece = len(grams) >= self.min_piece and h / len(grams) >= self.threshold
-                if piece or h / self._n_grams[pid] >= self.threshold:
+                if h >= self.min_shared and (h / self._n_grams[pid] >= self.threshold or h / len(grams) >= self.threshold):
                     hits_sets.add(self._owner[pid])
         if not hits_sets:
             return None

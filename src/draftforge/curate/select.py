@@ -23,7 +23,7 @@ from typing import Any
 
 from draftforge.curate.config import CurateConfig, SourceConfig
 from draftforge.curate.decontam import Decontaminator
-from draftforge.curate.dedup import Deduper
+from draftforge.curate.dedup import Deduper, words
 from draftforge.curate.schema import Drop, Row, prompt_messages, prompt_text
 from draftforge.errors import StageError
 
@@ -113,10 +113,10 @@ def select_rows(
                 if isinstance(item, Drop):
                     raise item
                 msgs = check_row(item, cfg, count_tokens)
-                text = prompt_text(msgs)
-                if decontaminator is not None and (hit := decontaminator.match(text)) is not None:
+                ws = words(prompt_text(msgs))  # normalized once for both checks
+                if decontaminator is not None and (hit := decontaminator.match_words(ws)) is not None:
                     raise Drop(f"contaminated:{hit}")
-                reason, state = dedup.check(text)
+                reason, state = dedup.check_words(ws)
                 if reason is not None:
                     raise Drop(reason)
                 if quota is not None and st.kept >= quota:

@@ -94,7 +94,7 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
     if ccfg.decontam.enabled:
         decon = Decontaminator(
             eval_sets, ngram=ccfg.decontam.ngram, threshold=ccfg.decontam.threshold,
-            min_piece_ngrams=ccfg.decontam.min_piece_ngrams,
+            min_shared_ngrams=ccfg.decontam.min_shared_ngrams,
         )  # fmt: skip
         log.info("decontamination against %s", {k: len(v) for k, v in eval_sets.items()})
 
