@@ -1,0 +1,76 @@
+"""DDTree vs AR decode tokens/s on the real default-world target (CPU), measured in one run.
+
+Needs a finished `target` and `train` stage: results/<exp>/target/target.json and
+results/<exp>/train/drafter/. Runs AR, DFlash and DDTree (each budget) interleaved on the same
+prompts of one eval set (T = 0), checks losslessness, prints tokens/s, τ and DDTree tok/s ÷ AR tok/s.
+
+    python benchmarks/engine_cpu.py --experiment default --dataset humaneval --prompts 3 --budgets 16,32,64
+Writes $OUT/engine_cpu.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from draftforge.config import compose  # noqa: E402
+from draftforge.drafter import load_drafter  # noqa: E402
+from draftforge.engine import wrap_target  # noqa: E402
+from draftforge.evaluate.aggregate import aggregate  # noqa: E402
+from draftforge.evaluate.prompts import eval_prompt_sets  # noqa: E402
+from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset  # noqa: E402
+from draftforge.paths import stage_dir, stage_marker  # noqa: E402
+from draftforge.target.load import load_target_model, load_tokenizer, read_target_info  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experiment", default="default")
+    ap.add_argument("--results-root", default="")
+    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budgets", default="16,32,64")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = [f"results_root={args.results_root}"] if args.results_root else []
+    cfg = compose(args.experiment, overrides)
+    root, exp = cfg.results_root, cfg.experiment_name
+    info = read_target_info(stage_marker(root, exp, "target"))
+    drafter = load_drafter(stage_dir(root, exp, "train") / "drafter", dtype=torch.float32, attn_impl="sdpa")
+    tm = wrap_target(load_target_model(info), drafter.cfg.target_layer_ids)
+    es = EngineSet(tm, drafter, load_tokenizer(info), [int(e) for e in info.get("eos_token_ids") or []], args.max_new_tokens)
+    plan = method_plan(["ar", "dflash", "ddtree"], [int(b) for b in args.budgets.split(",")])
+    ev = cfg.evaluate
+    ev.datasets = [args.dataset]
+    prompts = eval_prompt_sets(ev, limit=args.prompts)[args.dataset]
+    records = run_dataset(es, plan, args.dataset, list(enumerate(prompts)), 0.0, 0, warmup=1)
+    rows = aggregate(records)
+    ar = next(r for r in rows if r["method"] == "ar")
+    print(f"\n{info['name']} on CPU ({torch.get_num_threads()} threads), {args.dataset}, {len(prompts)} prompts, "
+          f"{args.max_new_tokens} new tokens, T=0")
+    print(f"{'method':7} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'tau':>5} {'round ms':>9} {'ovh %':>6} {'mismatch':>8}")
+    for r in rows:
+        ratio = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["tokens_per_s_over_ar"] = ratio
+        print(f"{r['method']:7} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} {r['tau']:5.2f} "
+              f"{(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} {r['lossless_mismatches']:>8}")
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "engine_cpu.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"target": info["name"], "dataset": args.dataset, "rows": rows}, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
