@@ -26,6 +26,7 @@ class ExtractConfig:
     tokens_per_shard: int = 65536  # Qwen3-8B, 5 taps, bf16: 40 KiB/token → 2.5 GiB per shard
     seqs_per_shard: int = 4096
     sort_window: int = 8192  # consecutive input rows sorted together by length (bucketing scope)
+    writer_threads: int = 2  # background shard writers (each holds one host buffer of a shard)
     stop_after_last_tap: bool = True  # skip later layers and the LM head
     disk_margin: float = 1.05  # required free bytes = estimate × margin
     verify_resumed: bool = True  # re-hash shards found complete from an earlier run before indexing

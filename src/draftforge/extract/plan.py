@@ -15,11 +15,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from draftforge.errors import StageError
+
+if TYPE_CHECKING:  # pyarrow is imported where files are read (benchmarks run without it)
+    import pyarrow as pa
 
 REQUIRED_COLUMNS = ("id", "input_ids", "loss_mask", "n_tokens")
 
@@ -65,6 +68,9 @@ class ExtractPlan:
 
 
 def list_split(curate_dir: Path, split: str) -> SplitInputs | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     files = sorted(curate_dir.glob(f"{split}-*.parquet"))
     if not files:
         return None
@@ -149,9 +155,11 @@ class InputReader:
         self.plan = plan
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
-        self._cache: dict[Path, pa.Table] = {}
+        self._cache: dict[Path, "pa.Table"] = {}
 
-    def _table(self, path: Path) -> pa.Table:
+    def _table(self, path: Path) -> "pa.Table":
+        import pyarrow.parquet as pq
+
         if path not in self._cache:
             if len(self._cache) >= 2:  # keep the two most recent files (a window spans ≤ 2 usually)
                 self._cache.pop(next(iter(self._cache)))
@@ -175,7 +183,7 @@ class InputReader:
         offsets = np.concatenate([[0], np.cumsum(shard.lengths)]).astype(np.int64)
         return ShardRows(np.concatenate(ids_out), np.concatenate(mask_out), offsets)
 
-    def _row(self, path: Path, table: pa.Table, local: int) -> tuple[np.ndarray, np.ndarray]:
+    def _row(self, path: Path, table: "pa.Table", local: int) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(table.column("input_ids")[local].values.to_numpy(zero_copy_only=False))
         mask = np.asarray(table.column("loss_mask")[local].values.to_numpy(zero_copy_only=False))
         n_tok = int(table.column("n_tokens")[local].as_py())

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from draftforge.errors import StageError
 from draftforge.extract.batching import make_batches, pad_batch
 from draftforge.extract.capture import TapCapture
-from draftforge.extract.plan import ExtractPlan, InputReader, ShardSpec
+from draftforge.extract.plan import ExtractPlan, InputReader, ShardRows, ShardSpec
 from draftforge.extract.shard_format import STORAGE_TORCH_DTYPES, encode_hidden, shard_name, write_shard
 from draftforge.io import read_json, write_json
 
@@ -88,7 +88,7 @@ class ShardExtractor:
     """Computes one shard's tensors; the write happens on a background thread (overlaps compute)."""
 
     def __init__(self, target: TargetView, *, storage_dtype: str, tokens_per_batch: int, device: torch.device,
-                 stop_after_last_tap: bool = True, max_shard_tokens: int = 0) -> None:  # fmt: skip
+                 stop_after_last_tap: bool = True, max_shard_tokens: int = 0, n_buffers: int = 2) -> None:  # fmt: skip
         self.target = target
         self.capture = TapCapture(target.model, target.layer_ids, stop_after_last=stop_after_last_tap)
         self.storage_dtype = storage_dtype
@@ -96,13 +96,13 @@ class ShardExtractor:
         self.device = device
         self.n_taps = len(target.layer_ids)
         self.dim = self.n_taps * target.hidden_size
-        # Two host buffers (ping-pong): one is filled while the writer thread saves the other.
+        # n_buffers host buffers: one is filled while writer threads save the others.
         pin = device.type == "cuda"
         dtype = STORAGE_TORCH_DTYPES[storage_dtype]
         fp8 = storage_dtype == "float8_e4m3fn"
-        self._host = [torch.empty((max_shard_tokens, self.dim), dtype=dtype, pin_memory=pin) for _ in range(2)]
+        self._host = [torch.empty((max_shard_tokens, self.dim), dtype=dtype, pin_memory=pin) for _ in range(n_buffers)]
         self._scale = [torch.empty((max_shard_tokens, self.n_taps), dtype=torch.float32, pin_memory=pin) if fp8
-                       else None for _ in range(2)]  # fmt: skip
+                       else None for _ in range(n_buffers)]  # fmt: skip
 
     def compute(self, rows, shard: ShardSpec, slot: int) -> tuple[dict[str, torch.Tensor], int]:
         """rows: ShardRows → (tensors of the shard, padded tokens). Uses host buffer `slot`."""
@@ -158,11 +158,13 @@ def run_rank(
     device: torch.device,
     stop_after_last_tap: bool = True,
     progress: bool = True,
+    writer_threads: int = 2,
     stop_after: int | None = None,
-    on_shard: Callable[[ShardSpec], None] | None = None,
+    load_rows: Callable[[ShardSpec], ShardRows] | None = None,
 ) -> RankStats:
     """Extract every shard this rank owns that is not done yet. `stop_after` (tests): end after that
-    many computed shards, as a kill would."""
+    many computed shards, as a kill would. `load_rows` (benchmarks): rows of a shard; default reads
+    the curate parquet files."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     stats = RankStats(rank)
     todo = []
@@ -173,31 +175,30 @@ def run_rank(
             stats.shards_resumed += 1
     if not todo:
         return stats
-    reader = InputReader(plan, target.vocab_size, max_seq_len)
+    load_rows = load_rows or InputReader(plan, target.vocab_size, max_seq_len).load
+    n_buffers = writer_threads + 1
     extractor = ShardExtractor(target, storage_dtype=storage_dtype, tokens_per_batch=tokens_per_batch, device=device,
                                stop_after_last_tap=stop_after_last_tap,
-                               max_shard_tokens=max(s.n_tokens for s in todo))  # fmt: skip
+                               max_shard_tokens=max(s.n_tokens for s in todo), n_buffers=n_buffers)  # fmt: skip
     pending: list[Future] = []
     t0 = time.perf_counter()
     bar = tqdm(total=sum(s.n_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank{rank}",
                disable=not progress)  # fmt: skip
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+    with ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="shard-writer") as writer:
         for k, shard in enumerate(todo):
             if stop_after is not None and k >= stop_after:
                 break
-            slot = k % 2
-            if len(pending) >= 2:  # the write that used this host buffer must be finished
-                stats.bytes_written += pending[-2].result()
-            rows = reader.load(shard)
+            slot = k % n_buffers
+            if k >= n_buffers:  # the write that used this host buffer must be finished
+                stats.bytes_written += pending[k - n_buffers].result()
+            rows = load_rows(shard)
             tensors, padded = extractor.compute(rows, shard, slot)
             pending.append(writer.submit(_save, shard_dir, shard, tensors, plan.key))
             stats.shards_computed += 1
             stats.tokens += shard.n_tokens
             stats.padded_tokens += padded
             bar.update(shard.n_tokens)
-            if on_shard is not None:
-                on_shard(shard)
-        for fut in pending[-2:]:
+        for fut in pending[max(0, len(pending) - n_buffers) :]:
             stats.bytes_written += fut.result()
     bar.close()
     stats.seconds = time.perf_counter() - t0

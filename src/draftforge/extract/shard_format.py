@@ -14,11 +14,12 @@ Invariant: a shard file either does not exist under its final name or is complet
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from draftforge.io import atomic_path
 
@@ -31,6 +32,11 @@ STORAGE_TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 BYTES_PER_VALUE = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+SAFETENSORS_DTYPE = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
+}  # fmt: skip
+WRITE_CHUNK = 64 << 20
 
 
 def shard_name(index: int) -> str:
@@ -75,13 +81,45 @@ def sha256_path(path: str | Path, chunk: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-def write_shard(path: str | Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """Write a shard atomically; returns (sha256, bytes). Bytes depend only on the tensors."""
+def _header(tensors: dict[str, torch.Tensor]) -> bytes:
+    """safetensors header: u64 length + JSON (tensors in the given order), space-padded to 8 bytes."""
+    meta: dict[str, object] = {"__metadata__": {"format": FORMAT}}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        meta[name] = {"dtype": SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def write_shard(path: str | Path, tensors: dict[str, torch.Tensor], fsync: bool = True) -> tuple[str, int]:
+    """Write a shard atomically in safetensors format; returns (sha256, bytes).
+
+    Streams each tensor's bytes from host memory and hashes them in the same pass (no re-read).
+    The bytes depend only on the tensors and their order (deterministic header), so equal inputs give
+    equal checksums whatever the world size.
+    """
+    digest = hashlib.sha256()
+    size = 0
     with atomic_path(path) as tmp:
-        # One metadata key only: the header must be byte-identical across runs (checksum equality).
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": FORMAT})
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        digest = sha256_path(tmp)
-        size = tmp.stat().st_size
-    return digest, size
+        with open(tmp, "wb") as fh:
+            for block in _blocks(tensors):
+                fh.write(block)
+                digest.update(block)  # releases the GIL for large blocks
+                size += len(block)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+    return digest.hexdigest(), size
+
+
+def _blocks(tensors: dict[str, torch.Tensor]):
+    yield _header(tensors)
+    for t in tensors.values():
+        if t.device.type != "cpu":
+            raise ValueError("write_shard needs host tensors")
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy()  # little-endian host bytes, no copy
+        for start in range(0, raw.shape[0], WRITE_CHUNK):
+            yield memoryview(raw[start : start + WRITE_CHUNK])
