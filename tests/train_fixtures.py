@@ -59,3 +59,39 @@ def make_inputs(info: dict, cfg: TrainConfig, train_items, val_items, ckpt_dir: 
         world=world,
         target_hf_path=info["hf_path"],
     )
+
+
+def write_extract_index(out_dir: Path, splits: dict, info: dict, fingerprint: str | None = None, taps: list[int] | None = None) -> Path:
+    """An extract output (shards + index.json) in the extract stage's on-disk format, from tuples."""
+    from draftforge.extract.shard_format import FORMAT, INDEX_NAME, encode_hidden, shard_name, write_shard
+    from draftforge.io import write_json
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    taps = list(taps if taps is not None else info["drafter"]["target_layer_ids"])
+    shards, agg = [], {}
+    for split, items in splits.items():
+        for part in (items[: len(items) // 2 or 1], items[len(items) // 2 or 1 :]):  # two shards per split
+            if not part:
+                continue
+            ids = torch.cat([it[0] for it in part]).to(torch.int32)
+            mask = torch.cat([it[1] for it in part]).to(torch.uint8)
+            hidden, _ = encode_hidden(torch.cat([it[2] for it in part]), len(taps), "float32")
+            offsets = torch.tensor([0] + [it[0].numel() for it in part]).cumsum(0)
+            name = shard_name(len(shards))
+            sha, size = write_shard(out_dir / name, {"hidden": hidden, "input_ids": ids, "loss_mask": mask, "offsets": offsets,
+                                                      "seq_index": torch.arange(len(part))})
+            rec = {"file": name, "split": split, "n_seqs": len(part), "n_tokens": int(ids.numel()),
+                   "n_loss_tokens": int(mask.sum()), "n_bytes": size, "sha256": sha}
+            shards.append(rec)
+            a = agg.setdefault(split, {"n_shards": 0, "n_seqs": 0, "n_tokens": 0, "n_loss_tokens": 0})
+            a["n_shards"] += 1
+            for k in ("n_seqs", "n_tokens", "n_loss_tokens"):
+                a[k] += rec[k]
+    index = {"format": FORMAT, "target_fingerprint": fingerprint or info["fingerprint"], "target_layer_ids": taps,
+             "hidden_size": info["hidden_size"], "n_taps": len(taps), "feature_dim": len(taps) * info["hidden_size"],
+             "storage_dtype": "float32", "splits": agg, "shards": shards,
+             "n_seqs": sum(s["n_seqs"] for s in shards), "n_tokens": sum(s["n_tokens"] for s in shards),
+             "n_bytes": sum(s["n_bytes"] for s in shards)}
+    write_json(out_dir / INDEX_NAME, index)
+    return out_dir
