@@ -52,7 +52,7 @@ def _run(results_root: Path, overrides: list[str]) -> dict:
     return marker
 
 
-def _recheck_counters(record: dict) -> dict:
+def _recheck_counters(record: dict, drafts_every_step: bool) -> dict:
     """τ and per-position acceptance re-derived from the raw snapshots the worker stored."""
     (seg,) = record["segments"]
     d = M.delta(seg["metrics_before"], seg["metrics_after"])
@@ -62,10 +62,10 @@ def _recheck_counters(record: dict) -> dict:
     assert row["acceptance_per_pos"] == pytest.approx(acc["acceptance_per_pos"])
     assert sum(acc["accepted_per_pos"]) == acc["num_accepted_tokens"] and M.check_consistency(acc) == []
     assert len(acc["accepted_per_pos"]) == record["num_speculative_tokens"]
-    # Every decode step is a verification: output tokens ≤ prompts (prefill token) + drafts + accepted.
     n_out = sum(p["n_output"] for p in seg["prompts"])
     assert d["counters"][M.GENERATION_TOKENS] == n_out
-    assert n_out <= len(seg["prompts"]) + acc["num_drafts"] + acc["num_accepted_tokens"]
+    if drafts_every_step:  # model drafters: every decode step verifies one draft (the last may overshoot max_tokens)
+        assert n_out <= len(seg["prompts"]) + acc["num_drafts"] + acc["num_accepted_tokens"] < n_out + len(seg["prompts"]) * (1 + record["num_speculative_tokens"])
     return acc
 
 
@@ -89,9 +89,9 @@ def test_ar_ngram_dflash_real_engine(tmp_path):
     assert rows["ar"]["tau"] == 1.0 and rows["ar"]["num_drafts"] == 0
     assert rec["ar"]["segments"][0]["prompts"][0]["n_output"] == 48  # special tokens silenced: no early stop
 
-    ngram = _recheck_counters(rec["ngram"])
+    ngram = _recheck_counters(rec["ngram"], drafts_every_step=False)
     assert ngram["num_accepted_tokens"] > 0, "the bigram target cycles: n-gram lookup must get accepted"
-    dflash = _recheck_counters(rec["dflash"])
+    dflash = _recheck_counters(rec["dflash"], drafts_every_step=True)
     assert rec["dflash"]["speculative_config"] == {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": info["drafter"]["block_size"] - 1}  # fmt: skip
     assert dflash["num_draft_tokens"] == dflash["num_drafts"] * (info["drafter"]["block_size"] - 1)
     assert marker["parity"]["available"] is False  # no evaluate results in this tree
@@ -118,7 +118,7 @@ def test_mtp_real_engine(tmp_path):
     assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "mtp": "ok"}, marker["methods"]
     rec = marker["_records"]["mtp"]
     assert rec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}
-    acc = _recheck_counters(rec)
+    acc = _recheck_counters(rec, drafts_every_step=True)
     # The MTP layer is exact on this target: every draft is accepted, τ = 1 + k.
     assert acc["num_accepted_tokens"] == acc["num_drafts"] and acc["tau"] == pytest.approx(2.0)
     row = {r["method"]: r for r in marker["rows"]}["mtp"]
