@@ -1,0 +1,83 @@
+"""The train stage end to end through its CLI: target.json + extract output → drafter/ + metrics.json.
+
+Single process and torchrun with 2 gloo processes; bad input (features of another target / other
+taps) is one StageError line with exit status 2 and leaves earlier outputs intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
+
+from draftforge.io import write_json  # noqa: E402
+
+pytestmark = pytest.mark.integration
+PY = sys.executable
+OVERRIDES = ["experiment=smoke", "target=tiny-random", "train.max_steps=6", "train.num_anchors=8", "train.batch_seqs=2",
+             "train.eval_every=3", "train.ckpt_every=3", "train.log_every=2", "train.val_max_seqs=2", "train.val_num_anchors=8"]
+
+
+def _world(root: Path, info: dict, items, **index_kw) -> None:
+    write_json(root / "smoke" / "target" / "target.json", info)
+    write_extract_index(root / "smoke" / "extract", {"train": items[:6], "val": items[6:]}, info, **index_kw)
+
+
+def _run(cmd: list[str], root: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd + OVERRIDES + [f"results_root={root}"], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def items(tiny_target_info):
+    return synthetic_items(tiny_target_info, 8, seed=5)
+
+
+def test_stage_trains_exports_and_resumes(tiny_target_info, items, tmp_path):
+    _world(tmp_path, tiny_target_info, items)
+    proc = _run([PY, "-m", "draftforge.train"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and [e["step"] for e in metrics["val_curve"]] == [3, 6]
+    assert metrics["selected"].startswith("best val_sim_tau")
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == tiny_target_info["drafter"]["target_layer_ids"]
+    from draftforge.drafter.export import load_drafter
+
+    load_drafter(out / "drafter")
+    assert (tmp_path / "smoke" / ".work" / "train" / "checkpoints" / "latest").is_file()
+    # rerun: everything is in the checkpoint, nothing is retrained
+    again = _run([PY, "-m", "draftforge.train"], tmp_path)
+    assert again.returncode == 0 and "resuming from" in again.stderr
+
+
+def test_stage_under_torchrun_two_gloo_processes(tiny_target_info, items, tmp_path):
+    _world(tmp_path, tiny_target_info, items)
+    proc = _run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftforge.train",
+                 "train.cpu_procs=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "smoke" / "train" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+
+
+@pytest.mark.parametrize("kind", ["fingerprint", "taps"])
+def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_path, kind):
+    kw = {"fingerprint": "0" * 64} if kind == "fingerprint" else {"taps": [0, 3]}
+    _world(tmp_path, tiny_target_info, items, **kw)
+    keep = tmp_path / "smoke" / "train" / "drafter" / "keep.txt"
+    keep.parent.mkdir(parents=True)
+    keep.write_text("earlier output")
+    proc = _run([PY, "-m", "draftforge.train"], tmp_path)
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and "index.json" in err[0] and ("target" in err[0] or "tapped layers" in err[0]), proc.stderr[-2000:]
+    assert keep.read_text() == "earlier output"
+    assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
