@@ -142,6 +142,12 @@ def test_reader_refuses_mismatches(full_run, tiny_target_info):
     assert reader.num_sequences("train") == 11 and reader.n_taps == 2 and reader.hidden_size == 128
     with pytest.raises(StageError, match="no split 'test'"):
         reader.num_tokens("test")
+    plain = [tuple(x[0].tolist()) for x in reader.iter_sequences("train")]
+    mixed = [tuple(x[0].tolist()) for x in reader.iter_sequences("train", shuffle=True, seed=3)]
+    assert mixed != plain and sorted(mixed) == sorted(plain)
+    halves = [[tuple(x[0].tolist()) for x in reader.iter_sequences("train", rank=r, world_size=2, shuffle=True, seed=3)]
+              for r in (0, 1)]  # fmt: skip
+    assert sorted(halves[0] + halves[1]) == sorted(plain) and not set(halves[0]) & set(halves[1])
 
 
 def _copy_extract(src: Path, dst: Path) -> Path:

@@ -118,8 +118,10 @@ class FeatureReader:
         return sum(e["n_loss_tokens"] for e in self.shards(split))
 
     # ---- reading ----------------------------------------------------------------------------
-    def read_shard(self, entry: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Sequences of one shard (index entry), in stored order."""
+    def read_shard(
+        self, entry: dict[str, Any], order: np.ndarray | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Sequences of one shard (index entry), in stored order (longest first) or in `order`."""
         if self.verify != "none":
             self._check_sum(entry)
         path = self.dir / entry["file"]
@@ -132,7 +134,7 @@ class FeatureReader:
                 if offsets.shape[0] != entry["n_seqs"] + 1 or int(offsets[-1]) != entry["n_tokens"]:
                     raise StageError(f"{path}: offsets disagree with {self.index_path.name} "
                                      f"({offsets.shape[0] - 1} seqs / {int(offsets[-1])} tokens)")  # fmt: skip
-                for s in range(offsets.shape[0] - 1):
+                for s in (range(offsets.shape[0] - 1) if order is None else order.tolist()):
                     a, b = int(offsets[s]), int(offsets[s + 1])
                     h = decode_hidden(hidden[a:b], scale[a:b] if scale is not None else None, self.n_taps, self.dtype)
                     yield ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), h
@@ -142,19 +144,20 @@ class FeatureReader:
             raise StageError(f"{path}: unreadable shard ({type(exc).__name__}: {exc})") from None
 
     def iter_sequences(
-        self, split: str, *, rank: int = 0, world_size: int = 1, shuffle_shards: bool = False, seed: int = 0
+        self, split: str, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(input_ids (T,) int64, loss_mask (T,) uint8, hidden (T, n_taps·H) dtype) per sequence.
 
         Data-parallel readers pass rank/world_size: rank r reads shards j ≡ r (mod world_size) of the
-        (optionally seed-shuffled) shard order, so ranks see disjoint sequences.
+        shard order, so ranks see disjoint sequences. shuffle=True permutes the shard order and the
+        sequences inside each shard (seeded: pass e.g. seed=epoch; same on every rank).
         """
         entries = self.shards(split)
-        order = np.arange(len(entries))
-        if shuffle_shards:
-            order = np.random.default_rng(seed).permutation(len(entries))
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(entries)) if shuffle else np.arange(len(entries))
         for j in order[rank::world_size].tolist():
-            yield from self.read_shard(entries[j])
+            inner = np.random.default_rng([seed, j]).permutation(entries[j]["n_seqs"]) if shuffle else None
+            yield from self.read_shard(entries[j], inner)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         for split in self.splits:

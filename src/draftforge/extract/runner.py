@@ -29,6 +29,9 @@ from draftforge.extract.shard_format import STORAGE_TORCH_DTYPES, encode_hidden,
 from draftforge.io import read_json, write_json
 
 log = logging.getLogger(__name__)
+# Every rank reports its own throughput (the CLI quiets INFO on ranks > 0; this logger stays at INFO).
+rank_log = logging.getLogger("draftforge.extract.rank")
+rank_log.setLevel(logging.INFO)
 
 
 @dataclass
@@ -202,7 +205,7 @@ def run_rank(
             stats.bytes_written += fut.result()
     bar.close()
     stats.seconds = time.perf_counter() - t0
-    log.info("rank %d: %d shards, %d tokens in %.1f s = %.0f tokens/s (padding efficiency %.3f)", rank,
+    rank_log.info("rank %d: %d shards, %d tokens in %.1f s = %.0f tokens/s (padding efficiency %.3f)", rank,
              stats.shards_computed, stats.tokens, stats.seconds, stats.tokens_per_s,
              stats.tokens / max(stats.padded_tokens, 1))  # fmt: skip
     return stats
