@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +50,21 @@ def test_fp8_scales_per_token_and_tap():
     rows, err = h.view(50, 3, 64), (back - h).abs().view(50, 3, 64)
     assert (err.amax(-1) <= rows.abs().amax(-1) / 8).all()  # e4m3: 3 mantissa bits, per-row scale
     assert torch.isfinite(back).all()
+
+
+def test_disk_estimate_matches_design_scale_check():
+    """DESIGN.md §3: Qwen3-8B, 5 taps, bf16 ≈ 40 KiB/token; fp8 halves it (+ per-tap scales)."""
+    import numpy as np
+
+    from draftforge.extract.plan import ShardSpec
+    from draftforge.extract.preflight import check_disk, estimate_bytes
+    from draftforge.extract.shard_format import bytes_per_token
+
+    assert bytes_per_token(5 * 4096, 5, "bfloat16") == 40 * 1024 + 5
+    assert bytes_per_token(5 * 4096, 5, "float8_e4m3fn") == 20 * 1024 + 20 + 5
+    shard = ShardSpec(0, "train", np.arange(1000), np.full(1000, 1200))
+    need = estimate_bytes([shard] * 800, 5 * 4096, 5, "bfloat16")  # 800K samples of 1.2K tokens
+    assert 36e12 < need < 40e12
+    assert check_disk(Path("/"), need, 1.05, lambda p: int(need * 1.1)) is None
+    msg = check_disk(Path("/data"), need, 1.05, lambda p: 10 * 2**40)
+    assert msg.startswith("/data: not enough disk for the features: need ~35.8 TiB") and "10.0 TiB is free" in msg

@@ -186,7 +186,7 @@ def run_rank(
     pending: list[Future] = []
     t0 = time.perf_counter()
     bar = tqdm(total=sum(s.n_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank{rank}",
-               disable=not progress)  # fmt: skip
+               position=rank, disable=not progress)  # fmt: skip
     with ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="shard-writer") as writer:
         for k, shard in enumerate(todo):
             if stop_after is not None and k >= stop_after:

@@ -137,7 +137,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
         stats = run_rank(
             plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
             tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
-            stop_after_last_tap=cfg.stop_after_last_tap, progress=ctx.is_rank0, stop_after=stop_after,
+            stop_after_last_tap=cfg.stop_after_last_tap, progress=True, stop_after=stop_after,
             writer_threads=cfg.writer_threads,
         )  # fmt: skip
         write_json(shard_dir / f"stats-rank{ctx.rank}.json", {**stats.as_dict(), "world_size": ctx.world_size,
