@@ -185,3 +185,10 @@ def test_stage_refuses_curate_for_another_target(tmp_path, tiny_target_info):
     with pytest.raises(StageError, match=r"manifest\.json: target_fingerprint ffffffffffff != target\.json"):
         _run(tmp_path)
     assert not (tmp_path / EXPERIMENT / "extract" / "index.json").exists()
+
+
+def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
+    bad = {**tiny_target_info, "drafter": {**tiny_target_info["drafter"], "target_layer_ids": [1, 4]}}
+    make_experiment(tmp_path, bad, LENGTHS)
+    with pytest.raises(StageError, match=r"target\.json: drafter\.target_layer_ids \[1, 4\] must be strictly"):
+        _run(tmp_path)

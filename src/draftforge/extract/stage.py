@@ -103,9 +103,13 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     cfg = ctx.cfg.extract
     if cfg.storage_dtype not in STORAGE_DTYPES:
         raise StageError(f"extract.storage_dtype={cfg.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
-    info = read_target_info(ctx.input_marker("target"))
+    target_json = ctx.input_marker("target")
+    info = read_target_info(target_json)
     check_curate(ctx, info)
-    taps = list(info["drafter"]["target_layer_ids"])
+    taps = list(info["drafter"].get("target_layer_ids") or [])
+    if not taps or sorted(set(taps)) != taps or taps[0] < 0 or taps[-1] >= int(info["num_layers"]):
+        raise StageError(f"{target_json}: drafter.target_layer_ids {taps} must be strictly increasing ids "
+                         f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip
     device = pick_device(cfg, ctx.local_rank)
     dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
     plan = plan_extraction(
