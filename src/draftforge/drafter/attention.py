@@ -84,7 +84,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> "Bl
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # dynamic after the first new shape (variable T, N)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, impl: str) -> torch.Tensor:

@@ -202,6 +202,7 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,  # (S, N*B, H) embeddings of [anchor, mask x (B-1)] per block
         anchors: torch.Tensor,  # (S, N) int64 anchor positions (padding anchors: any value in [0, T])
         attn_impl: str | None = None,
+        mask: Any = None,  # a prebuilt mask for these anchors (build_mask); None → built here
     ) -> torch.Tensor:
         """All blocks of each sequence in one pass under the DFlash mask. Returns (S, N*B, H) normed."""
         S, T, _ = tapped.shape
@@ -213,7 +214,8 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self._rope(torch.arange(T, device=tapped.device), dtype)  # (1, T, hd) → bcast
         blk_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(S, N * B)  # (S, Q)
         blk_cos, blk_sin = self._rope(blk_pos, dtype)  # (S, 1, Q, hd)
-        mask = build_mask(anchors, T, B, impl)
+        if mask is None:
+            mask = build_mask(anchors, T, B, impl)
         h = block_embeds
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)

@@ -185,7 +185,10 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     ddp = model
     if inp.world > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[inp.device.index] if inp.device.type == "cuda" else None)
-    fwd_model = torch.compile(ddp) if cfg.compile else ddp
+    if cfg.compile:  # per layer: the mask is built outside the compiled regions
+        for layer in model.layers:
+            layer.compile()
+    fwd_model = ddp
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
 
     def checkpoint(at: int) -> None:

@@ -1,0 +1,215 @@
+"""DFlash drafter training throughput and MFU (issue 5 GPU benchmark).
+
+Default: Qwen3-8B-shaped drafter (5 layers, H 4096, 32 heads / 8 KV, head_dim 128, MLP 12288, 5 taps),
+frozen bf16 LM head + embeddings (vocab 151936), 512 anchors x block 16 on a 3072-token context of
+random features, bf16 autocast, fp32 master weights, fused AdamW, grad clip: the real training step
+(draftforge.train.loop.forward_batch + the loop's optimizer code path).
+
+FLOPs per step (useful work; a matmul of m x k by k x n = 2mkn):
+  trainable matmuls (fwd + dgrad + wgrad = 3x fwd):
+    per layer: block q,k,v,o: 2*Q*H*(2*Dq + 2*Dkv); context k,v: 2*T*H*2*Dkv; MLP: 2*Q*3*H*I
+  attention (fwd + 2x bwd = 3x fwd): 4*Dq*sum over queries of visible keys (context < anchor + block)
+  fc (fwd + wgrad only; features need no grad = 2x): 2*T*F*H
+  frozen LM head on valid slots only (fwd + dgrad = 2x): 2*M*H*V
+  with Q = N*B block tokens, M = valid slots, T context tokens, Dq = heads*hd, Dkv = kv_heads*hd.
+MFU = FLOPs / step time / peak (989 TFLOP/s bf16 dense, H100/H200 SXM), also vs a measured bf16
+matmul ceiling on this device.
+
+    python benchmarks/train_throughput.py            # CUDA
+    python benchmarks/train_throughput.py --tiny     # CPU smoke (seconds)
+Writes $OUT/train_throughput.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from draftforge.drafter.attention import build_mask, resolve_impl  # noqa: E402
+from draftforge.drafter.config import DFlashConfig  # noqa: E402
+from draftforge.drafter.model import DFlashDrafter  # noqa: E402
+from draftforge.train.data import collate  # noqa: E402
+from draftforge.train.head import FrozenTargetHead  # noqa: E402
+from draftforge.train.loss import block_losses, slot_weights  # noqa: E402
+
+PEAK_BF16 = 989e12
+
+
+def shape(args) -> DFlashConfig:
+    if args.tiny:
+        return DFlashConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=4096, mask_token_id=3,
+                            target_layer_ids=[1, 3, 5], block_size=args.block, target_num_layers=8)
+    return DFlashConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=args.layers, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, mask_token_id=151669,
+                        target_layer_ids=[1, 9, 17, 25, 33], block_size=args.block, target_num_layers=36,
+                        rope_theta=1e6, max_position_embeddings=40960)
+
+
+def make_batch(cfg: DFlashConfig, T: int, n_anchors: int, n_seqs: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seqs, anchors = [], []
+    for _ in range(n_seqs):
+        ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+        mask = torch.ones(T, dtype=torch.uint8)
+        mask[: T // 8] = 0  # a prompt
+        hidden = torch.randn(T, cfg.feature_dim, generator=g)
+        cand = torch.arange(T // 8, T - 1)
+        anchors.append(cand[torch.randperm(cand.numel(), generator=g)[:n_anchors]].sort().values)
+        seqs.append((ids, mask, hidden))
+    return collate(seqs, anchors, cfg.block_size, cfg.mask_token_id)
+
+
+def step_flops(cfg: DFlashConfig, batch) -> dict[str, float]:
+    H, I, V, F = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.feature_dim
+    Dq, Dkv, B = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.block_size
+    real = batch.valid[..., 1]  # (S, N) real anchors
+    Q = float(real.sum()) * B
+    T = float(batch.n_tokens)
+    M = float(batch.valid.sum())
+    visible = float(((batch.anchors.float() + B) * B * real).sum())  # keys seen, summed over queries
+    L = cfg.num_hidden_layers
+    layers = L * (2 * Q * H * (2 * Dq + 2 * Dkv) + 2 * T * H * 2 * Dkv + 2 * Q * 3 * H * I)
+    attn = L * 4 * Dq * visible
+    out = {"layers": 3 * layers, "attention": 3 * attn, "fc": 2 * (2 * T * F * H), "lm_head": 2 * (2 * M * H * V)}
+    out["total"] = sum(out.values())
+    out.update(Q=Q, T=T, M=M)
+    return out
+
+
+def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20 if device.type == "cuda" else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = shape(args)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, attn_impl=args.attn).to(device)
+    head = FrozenTargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02,
+                            torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02)
+    impl = resolve_impl(args.attn, device)
+    compiled = False
+    if args.compile and device.type == "cuda":
+        for layer in model.layers:
+            layer.compile()
+        compiled = True
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    weights = slot_weights(cfg.block_size, 7.0).to(device)
+    batch = make_batch(cfg, args.seq_len, args.anchors, args.seqs, 0)
+    flops = step_flops(cfg, batch)
+    gpu_batch = batch.to(device)
+    gpu_batch.tapped = gpu_batch.tapped.to(dtype)
+
+    def one_step() -> float:
+        b = gpu_batch
+        mask = build_mask(b.anchors, b.tapped.shape[1], cfg.block_size, impl)
+        ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+        with ctx:
+            emb = head.embed_ids(b.block_ids).float()
+            h = model(b.tapped, emb, b.anchors, impl, mask=mask)
+            out = block_losses(h, head.lm_head, b.targets, b.valid, weights)
+        loss = out.weighted_ce_sum / out.weight_sum.clamp_min(1e-6)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        one_step()
+    sync(device)
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        last_loss = one_step()
+    sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    ceiling = matmul_ceiling(device, dtype, 8192 if device.type == "cuda" else 512)
+    achieved = flops["total"] / step_s
+    res = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "attn_impl": impl,
+        "compiled": compiled,
+        "shape": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+                  "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size,
+                  "vocab": cfg.vocab_size, "n_taps": cfg.n_taps, "block": cfg.block_size},
+        "params": sum(p.numel() for p in params),
+        "seq_len": args.seq_len, "anchors": args.anchors, "seqs_per_step": args.seqs,
+        "step_s": step_s, "warmup_s": warm_s, "final_loss": last_loss,
+        "block_tokens_per_s": flops["Q"] / step_s,
+        "context_tokens_per_s": flops["T"] / step_s,
+        "valid_slots_per_s": flops["M"] / step_s,
+        "flops_per_step": {k: flops[k] for k in ("layers", "attention", "fc", "lm_head", "total")},
+        "achieved_tflops": achieved / 1e12,
+        "mfu_vs_peak": achieved / PEAK_BF16 if device.type == "cuda" else None,
+        "matmul_ceiling_tflops": ceiling / 1e12,
+        "mfu_vs_ceiling": achieved / ceiling,
+        "flops_formula": "3*layers(block qkvo + ctx kv + MLP) + 3*attention(visible keys) + 2*fc + 2*lm_head(valid slots); matmul = 2mkn",
+    }
+    if device.type == "cuda":
+        res["max_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (seconds)")
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--seqs", type=int, default=1, help="sequences per step")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attn", default="auto", choices=["auto", "flex", "sdpa"])
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    args = p.parse_args()
+    if args.tiny:
+        args.anchors, args.seq_len, args.steps, args.warmup = min(args.anchors, 32), min(args.seq_len, 256), min(args.steps, 3), 1
+    res = run(args)
+    f = res["flops_per_step"]
+    print(f"device {res['device']}  attn {res['attn_impl']}  compiled {res['compiled']}  params {res['params'] / 1e6:.1f}M")
+    print(f"{'step ms':>10} {'blk tok/s':>12} {'ctx tok/s':>12} {'TFLOP/s':>9} {'MFU(peak)':>10} {'MFU(ceil)':>10} {'ceil TF/s':>10}")
+    mfu = f"{res['mfu_vs_peak']:.1%}" if res["mfu_vs_peak"] is not None else "n/a"
+    print(f"{res['step_s'] * 1e3:10.1f} {res['block_tokens_per_s']:12.0f} {res['context_tokens_per_s']:12.0f} "
+          f"{res['achieved_tflops']:9.2f} {mfu:>10} {res['mfu_vs_ceiling']:10.1%} {res['matmul_ceiling_tflops']:10.1f}")
+    print(f"FLOPs/step: layers {f['layers']:.3g} attention {f['attention']:.3g} fc {f['fc']:.3g} lm_head {f['lm_head']:.3g} total {f['total']:.3g}")
+    print(f"formula: {res['flops_formula']}")
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "train_throughput.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
