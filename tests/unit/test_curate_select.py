@@ -155,7 +155,7 @@ def test_decontamination_removes_planted_copies_and_near_copies_counted_per_set(
 def test_short_common_phrases_are_not_contamination():
     decon = Decontaminator({"chitchat": [CHAT_LIKE]}, ngram=6, threshold=0.5)
     assert decon.match("what did you think") is None  # shorter than one n-gram: exact match only
-    assert decon.match("What did you think of the new album?") is None  # 3 n-grams < min_piece_ngrams
+    assert decon.match("What did you think of the new album?") is None  # 3 n-grams < min_shared_ngrams
     assert decon.match("so what did you think of the new album that dropped last friday") == "chitchat"
 
 
@@ -186,3 +186,11 @@ def test_chitchat_holdout_matches_evaluate_rule():
 
     ids = [f"conv-{i}" for i in range(500)]
     assert [chitchat_held_out(i, 300) for i in ids] == [chitchat_is_heldout(i, 300) for i in ids]
+
+
+def test_sample_subsamples_deterministically_and_counts():
+    cfg = CurateConfig(sources=[SourceConfig(name="a", kind="jsonl", sample=0.3)])
+    data = {"a": chat_records(200, "a")}
+    sel, out = _run(cfg, data)
+    assert 30 < len(out) < 90 and sel.per_source["a"].dropped["not_sampled"] == 200 - len(out)
+    assert _run(cfg, data)[1] == out

@@ -23,6 +23,9 @@ class SourceConfig:
     path: Optional[str] = None  # jsonl / parquet / hf_disk: a file or folder
     weight: float = 1.0  # share of curate.max_rows (when set) this source may fill
     cap: Optional[int] = None  # max rows kept from this source (after filters and dedup)
+    # Deterministic streaming subsample: a record is considered iff hash(id) < sample (spreads a
+    # quota over a whole ordered source, e.g. all stdlib modules rather than the first few).
+    sample: float = 1.0
     # Kind-specific: gsm_symbolic {seed, size}; chitchat {max_turns}; chatterbot {categories};
     # stdlib_code {tasks, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
     options: Dict[str, Any] = field(default_factory=dict)

@@ -30,10 +30,14 @@ from draftforge.errors import StageError
 log = logging.getLogger(__name__)
 
 
+def unit_hash(key: str) -> float:
+    """Deterministic uniform [0, 1) from a string."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / float(1 << 48)
+
+
 def split_of(row_id: str, val_fraction: float) -> str:
     """Deterministic: depends on the id only (not on order, source mix or run)."""
-    u = int(hashlib.sha256(row_id.encode()).hexdigest()[:12], 16) / float(1 << 48)
-    return "val" if u < val_fraction else "train"
+    return "val" if unit_hash(row_id) < val_fraction else "train"
 
 
 def quotas(cfg: CurateConfig) -> dict[str, int | None]:
@@ -112,6 +116,8 @@ def select_rows(
             try:
                 if isinstance(item, Drop):
                     raise item
+                if src.sample < 1.0 and unit_hash("sample:" + item.id) >= src.sample:
+                    raise Drop("not_sampled")
                 msgs = check_row(item, cfg, count_tokens)
                 ws = words(prompt_text(msgs))  # normalized once for both checks
                 if decontaminator is not None and (hit := decontaminator.match_words(ws)) is not None:
