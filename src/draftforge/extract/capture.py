@@ -4,6 +4,8 @@ Convention (DESIGN.md §3, §9): layer id L = output of decoder layer L (0-based
 `hidden_states[L + 1]` (index 0 is the embeddings). The full tuple of all layers is never built:
 a hook on each tapped layer keeps only the non-padding rows, and the hook of the last tap raises a
 private exception so later layers, the final norm and the LM head never run.
+One caveat: for the LAST decoder layer HF's tuple holds the final-normed state (transformers ties
+hidden_states[-1] to last_hidden_state); a tap there is the raw layer output. Default taps stop at L-3.
 """
 
 from __future__ import annotations
