@@ -172,6 +172,9 @@ def test_reader_refuses_missing_truncated_and_corrupt_shards(tmp_path, full_run,
     lazy = FeatureReader(out, target_fingerprint=fp, target_layer_ids=TAPS, verify="lazy")
     with pytest.raises(StageError, match=r"shard-00001\.safetensors: sha256 differs"):
         list(lazy.iter_sequences("train"))
+    with pytest.raises(StageError, match=r"shard-00001\.safetensors: sha256 differs"):
+        lazy.check_shard(lazy.shards("train")[1])
+    lazy.check_shard(lazy.shards("train")[0])  # intact shard passes
     shard.unlink()
     with pytest.raises(StageError, match=r"shard-00001\.safetensors: shard listed in index\.json is missing"):
         FeatureReader(out, target_fingerprint=fp, target_layer_ids=TAPS)

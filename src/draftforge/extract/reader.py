@@ -70,6 +70,11 @@ class FeatureReader:
             if size != entry["n_bytes"]:
                 raise StageError(f"{path}: {size} bytes, index records {entry['n_bytes']} (truncated or replaced)")
 
+    def check_shard(self, entry: dict[str, Any]) -> None:
+        """Verify one shard's sha256 against the index (once; later calls are free). Public form of
+        the lazy check, for random-access consumers that read shards themselves."""
+        self._check_sum(entry)
+
     def _check_sum(self, entry: dict[str, Any]) -> None:
         if entry["file"] in self._verified:
             return
