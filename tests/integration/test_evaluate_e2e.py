@@ -56,3 +56,21 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     assert set(runs["tags.engine"]) == {"draftforge"}
     assert set(runs["tags.method"]) == {"ar", "dflash", "ddtree"}
     assert set(runs["tags.budget"]) == {"", "1", "32"} and set(runs["tags.dataset"]) == {"chitchat", "gsm_symbolic"}
+
+
+def test_torchrun_data_parallel_cpu(tmp_path):
+    """Two CPU ranks (gloo) split the prompts; rank 0 merges every response into one set of rows."""
+    import os
+    import subprocess
+
+    tiny_pipeline(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "draftforge.evaluate", *_args(tmp_path, "tracking.enabled=false", "evaluate.num_prompts=3",
+                                         "evaluate.datasets=[chitchat]", "evaluate.warmup=0")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per = json.loads((tmp_path / "smoke" / "evaluate" / "chitchat.json").read_text())
+    assert sorted({r["prompt_index"] for r in per["responses"]}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
+    assert len(per["responses"]) == 3 * 4
+    assert all(r["n_prompts"] == 3 and r["lossless_mismatches"] == 0 for r in per["rows"])
