@@ -63,7 +63,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "extract": ("target", "extract"),
     "train": ("target", "train"),
     "evaluate": ("target", "evaluate"),
-    "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts"),
+    "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),
     "report": ("report",),
 }
 

@@ -101,12 +101,12 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
     base_tags = dict(kw.pop("tags"))
     for name, record in records.items():
         for row in record["rows"]:
-            tags = {**base_tags, "method": name, "dataset": row["dataset"], "engine": ENGINE,
+            tags = {**base_tags, "method": name, "dataset": row["dataset"], "budget": "", "engine": ENGINE,
                     "temperature": row["temperature"], "status": row["status"]}  # fmt: skip
             if row.get("reason"):
                 tags["reason"] = str(row["reason"])[:4000]
             params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
-            run_name = f"baselines/{name}/{row['dataset']}/T{row['temperature']:g}"
+            run_name = f"{row['dataset']}/vllm-{name}/T{row['temperature']}"  # evaluate: <dataset>/<method>/T<t>
             with mlflow_run(**kw, tags=tags, run_name=run_name, params=params) as run:
                 metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches",
                                                 "n_prompts", "wall_tokens_per_s", "draft_acceptance_rate") if row.get(k) is not None}  # fmt: skip
