@@ -40,7 +40,7 @@ def overfit_drafter(info: dict, work: Path):
     mask = torch.zeros(len(ids), dtype=torch.uint8)
     mask[len(PROMPT) - 1 :] = 1  # the last prompt token is the first bonus (anchor) vLLM drafts from
     item = (ids, mask, tapped_features(target, ids, info["drafter"]["target_layer_ids"]))
-    cfg = TrainConfig(max_steps=300, batch_seqs=1, num_anchors=1024, lr=3e-3, warmup_ratio=0.05, eval_every=100,
+    cfg = TrainConfig(max_steps=120, batch_seqs=1, num_anchors=1024, lr=3e-3, warmup_ratio=0.05, eval_every=60,
                       ckpt_every=1000, log_every=50, val_num_anchors=1024, init_from_target=False, seed=0)
     result = train(make_inputs(info, cfg, [item], [item], work / "ckpt"))
     return result, cont
@@ -69,7 +69,7 @@ def test_overfit_drafter_gets_full_blocks_accepted_in_vllm(tiny_target_info, tmp
     info = tiny_target_info
     B = info["drafter"]["block_size"]
     result, cont = overfit_drafter(info, tmp_path)
-    assert result.evals[-1]["val_sim_tau"] >= B - 0.5, result.evals[-1]  # memorized under our own metric
+    assert result.evals[-1]["val_acc"] >= 0.98, result.evals[-1]  # memorized under our own metric
     export_drafter(result.model, result.model.cfg, tmp_path / "drafter", dtype=torch.float32)
 
     # Stop B tokens early: every drafted block then lies inside the memorized continuation.
