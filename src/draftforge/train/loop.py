@@ -26,7 +26,7 @@ from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import Batch, FeatureSource, Prefetcher, collate, draw_anchors, epoch_order, rank_share, truncate
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loss import block_losses, slot_stats, slot_weights, summarize
+from draftforge.train.loss import block_losses, compile_loss, slot_stats, slot_weights, summarize
 
 log = logging.getLogger(__name__)
 VAL_SEED_OFFSET = 1_000_003
@@ -110,7 +110,8 @@ def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> It
             mine = rank_share(seqs_of_step, inp.rank, inp.world)
             items = [truncate(inp.train_source[i], cfg.max_seq_len) for i in mine]
             anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, mine)]
-            yield step, epoch, collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype)
+            batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype)
+            yield step, epoch, (batch.pin_memory() if inp.device.type == "cuda" else batch)
             step += 1
 
 
@@ -188,6 +189,7 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     if cfg.compile:  # per layer: the mask is built outside the compiled regions
         for layer in model.layers:
             layer.compile()
+        compile_loss()
     fwd_model = ddp
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
 

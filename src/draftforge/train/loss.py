@@ -32,6 +32,20 @@ class BlockOutputs:
     valid: torch.Tensor  # (S, N, B) bool
 
 
+def _ce_chunk(h: torch.Tensor, lm_head: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (m, H), target (m,) → CE (m,) fp32 and top-1 hits (m,). Matmul in the autocast dtype, softmax fp32."""
+    logits = (h @ lm_head.t()).float()  # (m, V)
+    return F.cross_entropy(logits, target, reduction="none"), logits.detach().argmax(-1) == target
+
+
+_CE = {"fn": _ce_chunk}
+
+
+def compile_loss() -> None:
+    """Fuse the fp32 upcast + log-softmax + NLL of the LM-head chunk (torch.compile; GPU training)."""
+    _CE["fn"] = torch.compile(_ce_chunk, dynamic=True)
+
+
 def block_losses(
     h: torch.Tensor,  # (S, N*B, H) drafter output after the final norm
     lm_head: torch.Tensor,  # (V, H) frozen target LM head
@@ -47,9 +61,9 @@ def block_losses(
     wv = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat_valid]  # (M,)
     ce_parts, hit_parts = [], []
     for lo in range(0, hv.shape[0], chunk):
-        logits = (hv[lo : lo + chunk] @ lm_head.t()).float()  # (m, V); matmul in the autocast dtype, softmax fp32
-        ce_parts.append(F.cross_entropy(logits, tv[lo : lo + chunk], reduction="none"))
-        hit_parts.append(logits.detach().argmax(-1) == tv[lo : lo + chunk])
+        ce, hits = _CE["fn"](hv[lo : lo + chunk], lm_head, tv[lo : lo + chunk])
+        ce_parts.append(ce)
+        hit_parts.append(hits)
     ce = torch.cat(ce_parts) if ce_parts else h.new_zeros(0, dtype=torch.float32)
     hits = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
     correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
