@@ -69,6 +69,7 @@ class _Output:
             self.done = int(t) in self.eos or len(self.tokens) >= self.max_new
 
 
+@torch.no_grad()
 def _prefill(tm: TargetModel, prompt_ids: Sequence[int], capacity: int, temperature: float,
              gen: torch.Generator | None, want_taps: bool) -> tuple[KVCache, int, torch.Tensor | None]:
     cache = KVCache(tm, capacity)
@@ -78,6 +79,7 @@ def _prefill(tm: TargetModel, prompt_ids: Sequence[int], capacity: int, temperat
     return cache, first, taps
 
 
+@torch.no_grad()
 def generate_ar(tm: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
                 eos_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> GenResult:
     """Autoregressive baseline: one target forward per token, same target/cache/attention."""
@@ -122,6 +124,7 @@ class _DraftState:
         return self.tm.lm_head(h[0, 1:].to(self.tm.dtype))  # (B-1, V)
 
 
+@torch.no_grad()
 def _speculative(method: str, tm: TargetModel, drafter: Any, prompt_ids: Sequence[int], max_new_tokens: int,
                  temperature: float, eos_ids: Sequence[int], generator: torch.Generator | None,
                  budget: int) -> GenResult:
