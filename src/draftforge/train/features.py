@@ -43,7 +43,7 @@ class ShardedSource:
         if j not in self._open:
             entry = self.entries[j]
             if self.reader.verify != "none":
-                self.reader._check_sum(entry)  # lazy checksum, once per shard
+                self.reader.check_shard(entry)  # lazy checksum, once per shard
             path = self.reader.dir / entry["file"]
             try:
                 fh = safe_open(str(path), framework="pt")
