@@ -102,17 +102,19 @@ def test_rows_speedup_lossless_and_failed_method():
     ar = {"status": "ok", "segments": [_segment("d", [_prompt("d/0", [1, 2, 3, 4, 5], 0.4), _prompt("d/1", [6, 7, 8], 0.2)],
                                                  M.snapshot([]), M.snapshot([Counter(M.GENERATION_TOKENS, {}, 8)]))]}  # fmt: skip
     spec = {"status": "ok", "segments": [_segment("d", [_prompt("d/0", [1, 2, 3, 4, 5], 0.2), _prompt("d/1", [6, 7, 9], 0.1)],
-                                                   snap(1, 4, 2, [1, 1, 0, 0], 3), snap(4, 16, 8, [4, 3, 1, 0], 11))]}  # fmt: skip
+                                                   snap(1, 4, 2, [1, 1, 0, 0], 3), snap(4, 16, 6, [3, 2, 1, 0], 11))]}  # fmt: skip
     failed = {"status": "failed", "reason": "worker exited with status -9 without a result"}
     results = {"ar": ar, "dflash": spec, "ngram": failed}
     rows = method_rows("ar", ar, plan, None) + method_rows("dflash", spec, plan, 4) + method_rows("ngram", failed, plan, 4)
     add_comparisons(rows, results)
     by = {r["method"]: r for r in rows}
     assert by["ar"]["tau"] == 1.0 and by["ar"]["speedup_vs_ar"] == pytest.approx(1.0) and by["ar"]["lossless_mismatches"] == 0
-    assert by["dflash"]["tau"] == pytest.approx(1 + 6 / 3)
+    assert by["dflash"]["tau"] == pytest.approx(1 + 4 / 3)
     assert by["dflash"]["speedup_vs_ar"] == pytest.approx(2.0)  # TPOT 0.1 s/token vs 0.05 s/token on both prompts
     assert by["dflash"]["lossless_mismatches"] == 1  # d/1 differs from AR
-    assert by["dflash"]["acceptance_per_pos"] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+    assert by["dflash"]["acceptance_per_pos"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 0.0])
+    assert by["dflash"]["tau_all_steps"] == pytest.approx(6 / (6 - 4))  # 8 tokens, 2 from prefill, 4 accepted
+    assert by["ar"]["tau_all_steps"] == pytest.approx(1.0)
     assert by["ngram"]["status"] == "failed" and by["ngram"]["tau"] is None and by["ngram"]["tokens_per_s"] is None
     assert "without a result" in by["ngram"]["reason"]
     for row in rows:

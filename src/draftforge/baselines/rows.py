@@ -60,6 +60,11 @@ def method_rows(method: str, result: Mapping[str, Any], segments_plan: Sequence[
             acceptance_per_pos=acc["acceptance_per_pos"],
             counter_problems=summary["consistency_problems"] or None,
         )
+        # vLLM's τ counts only steps that drafted; n-gram steps without a match verify 1 token. Over all
+        # decode steps: tokens after the first / (those tokens − accepted) (the last step may overshoot).
+        decode_tokens = acc["generation_tokens"] - timing["n_prompts"]
+        steps = decode_tokens - acc["num_accepted_tokens"]
+        row["tau_all_steps"] = decode_tokens / steps if steps > 0 else None
         if method != "ar" and acc["num_drafts"] == 0:
             row["reason"] = "no drafts were proposed: τ undefined"
         rows.append(row)
