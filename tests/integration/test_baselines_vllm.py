@@ -114,7 +114,7 @@ def test_mtp_real_engine(tmp_path):
     info = _target(tmp_path / "results", target_dir, "mimo-mtp")
     assert info["mtp_layers"] == 1 and info["architecture"] == "MiMoForCausalLM"
     marker = _run(tmp_path / "results", ["baselines.methods.ngram.enabled=false", "baselines.methods.dflash.enabled=false",
-                                         "tracking.enabled=false"])  # fmt: skip
+                                         "tracking.enabled=false", "baselines.concurrency=[2]"])  # fmt: skip
     assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "mtp": "ok"}, marker["methods"]
     rec = marker["_records"]["mtp"]
     assert rec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}
@@ -123,3 +123,8 @@ def test_mtp_real_engine(tmp_path):
     assert acc["num_accepted_tokens"] == acc["num_drafts"] and acc["tau"] == pytest.approx(2.0)
     row = {r["method"]: r for r in marker["rows"]}["mtp"]
     assert row["lossless_mismatches"] == 0 and row["acceptance_per_pos"] == [1.0]
+    # Optional concurrency sweep: 2 simultaneous requests in a max_num_seqs=2 engine; still exact MTP.
+    sweep = {r["method"]: r for r in marker["concurrency_rows"]}
+    assert set(sweep) == {"ar", "mtp"} and all(r["status"] == "ok" and r["concurrency"] == 2 for r in sweep.values())
+    assert sweep["mtp"]["tau"] == pytest.approx(2.0) and sweep["mtp"]["output_tokens"] == 2 * 48
+    assert sweep["ar"]["tokens_per_s"] > 0 and rec["concurrency"] == [sweep["mtp"]]

@@ -108,13 +108,13 @@ def test_fake_engine_results_round_trip(tmp_path):
             self.generated = 0
         def generate(self, prompts, params, use_tqdm=False):
             n = params.kw["max_tokens"]
-            self.generated += n
-            return [_Out(list(range(100, 100 + n)))]
+            self.generated += n * len(prompts)
+            return [_Out(list(range(100, 100 + n))) for _ in prompts]
         def get_metrics(self):
             return [Counter("vllm:generation_tokens", {"engine": "0"}, self.generated)]
     """
     root = fake_vllm(tmp_path / "fake", body)
-    spec = {**SPEC, "warmup": 2, "warmup_tokens": 3}
+    spec = {**SPEC, "warmup": 2, "warmup_tokens": 3, "concurrency": [3]}
     res = run_worker(spec, tmp_path / "run", tmp_path / "logs" / "ar.log", 60, _env(root))
     assert res["status"] == "ok", res
     seg = res["segments"][0]
@@ -123,3 +123,6 @@ def test_fake_engine_results_round_trip(tmp_path):
     p = seg["prompts"][0]
     assert p["id"] == "d/0" and p["token_ids"] == [100, 101, 102, 103] and p["decode_s"] == pytest.approx(0.5)
     assert json.loads((tmp_path / "run" / "ar.result.json").read_text())["status"] == "ok"
+    (sweep,) = res["concurrency"]  # 3 requests at once, round-robin over the one prompt
+    assert sweep["concurrency"] == 3 and sweep["n_requests"] == 3 and sweep["output_tokens"] == 12
+    assert sweep["metrics_after"]["counters"]["vllm:generation_tokens"] - sweep["metrics_before"]["counters"]["vllm:generation_tokens"] == 12

@@ -162,3 +162,19 @@ def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, toleranc
     else:
         block["reason"] = "no dataset has both a vLLM-DFlash τ and a standalone DFlash τ at T=0"
     return block
+
+
+def concurrency_rows(method: str, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Sweep results: aggregate output tokens/s over the wall time of c simultaneous requests, and τ."""
+    if result.get("status") != "ok":
+        return [{"method": method, "engine": ENGINE, "status": result.get("status", "failed"), "reason": result.get("reason")}]
+    rows = []
+    for rec in result.get("concurrency") or []:
+        acc = acceptance(delta(rec["metrics_before"], rec["metrics_after"]))
+        rows.append({
+            "method": method, "engine": ENGINE, "status": "ok", "reason": None, "concurrency": rec["concurrency"],
+            "n_requests": rec["n_requests"], "output_tokens": rec["output_tokens"], "wall_s": rec["wall_s"],
+            "tokens_per_s": rec["output_tokens"] / rec["wall_s"] if rec["wall_s"] > 0 else None,
+            "tau": 1.0 if method == "ar" else acc["tau"], "acceptance_per_pos": acc["acceptance_per_pos"],
+        })  # fmt: skip
+    return rows

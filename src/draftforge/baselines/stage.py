@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
-from draftforge.baselines.rows import ENGINE, add_comparisons, method_rows, parity_block, segment_summary
+from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, parity_block, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
 from draftforge.errors import StageError
@@ -69,6 +69,30 @@ def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
         return None
     ctx.input_marker("train")  # clear error when training has not finished
     return ctx.input_dir("train") / "drafter"
+
+
+def run_concurrency_sweep(ctx: Any, names: list[str], plans: dict[str, MethodPlan], results: dict[str, dict[str, Any]],
+                          info: dict[str, Any], settings: Any, segments: list[dict[str, Any]], max_new: int,
+                          env: dict[str, str]) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """Optional: one more engine per method that ran at batch size 1 (max_num_seqs = largest c)."""
+    levels = sorted({int(c) for c in ctx.cfg.baselines.concurrency})
+    if not levels:
+        return {}
+    if levels[0] < 1:
+        raise StageError(f"baselines.concurrency: {levels} must be values >= 1")
+    pool = [p for seg in segments if seg["temperature"] == segments[0]["temperature"] for p in seg["prompts"]]
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    for name in tqdm(names, desc="baselines concurrency", disable=not ctx.is_rank0):
+        if results[name].get("status") != "ok":
+            continue
+        spec = worker_spec(plans[name], info, settings, [], max_new, ctx.cfg.baselines)
+        spec["llm_kwargs"]["max_num_seqs"] = levels[-1]
+        spec.update(concurrency=levels, concurrency_pool=pool)
+        log_path = ctx.out_dir / "logs" / f"{name}.concurrency.log"
+        result = run_worker(spec, ctx.work_dir / "runs-concurrency", log_path, float(ctx.cfg.baselines.timeout_s), env)
+        sweep[name] = concurrency_rows(name, result)
+        log.info("baselines %s concurrency %s: %s", name, levels, result["status"])
+    return sweep
 
 
 def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: list[dict[str, Any]], log_path: Path | None) -> dict[str, Any]:
@@ -153,11 +177,15 @@ def main(ctx: Any) -> None:
             skip_all = results[name]["reason"]
         log.info("baselines %s: %s%s", name, status, f" ({results[name].get('reason')})" if results[name].get("reason") else "")
 
+    sweep = run_concurrency_sweep(ctx, names, plans, results, info, settings, segments, max_new, env)
+
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
     all_rows = [row for name in names for row in rows_by_method[name]]
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():
+        if name in sweep:
+            record["concurrency"] = sweep[name]
         write_json(ctx.out_dir / f"{name}.json", record)
 
     parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
@@ -173,6 +201,7 @@ def main(ctx: Any) -> None:
         "temperatures": [float(t) for t in b.temperatures],
         "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
         "rows": all_rows,
+        "concurrency_rows": [row for name in names for row in sweep.get(name, [])],
         "parity": parity,
         "config": to_plain(b),
     }

@@ -4,12 +4,15 @@
 
 Spec keys: method, model, llm_kwargs (passed to vllm.LLM), speculative_config (null for AR),
 segments [{dataset, temperature, prompts: [{id, token_ids}]}], max_new_tokens, ignore_eos, seed,
-warmup, warmup_tokens. The result always gets written when the process survives:
+warmup, warmup_tokens; optional concurrency (list of c: c simultaneous requests after the batch-size-1
+segments; needs llm_kwargs.max_num_seqs >= c) with concurrency_pool (its prompts; default: segments').
+The result always gets written when the process survives:
     status "ok"      → per segment: metrics snapshots before/after + per-prompt tokens and timings
     status "skipped" → vLLM is not importable (reason says why); no numbers
     status "failed"  → exception text and traceback; no numbers
 A crash that kills the interpreter leaves no result: the parent records it with the stderr tail.
-Rank/engine invariants: max_num_seqs=1 (batch size 1), prefix caching off, one prompt per generate call.
+Engine invariants: prefix caching off; batch-size-1 segments send one prompt per generate call
+(max_num_seqs=1 except in a concurrency-sweep engine).
 """
 
 from __future__ import annotations
@@ -65,6 +68,26 @@ def _run_prompt(llm: Any, token_ids: list[int], params: Any) -> dict[str, Any]:
     return record
 
 
+def _prompt_pool(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(spec.get("concurrency_pool") or [p for seg in spec["segments"] for p in seg["prompts"]])
+
+
+def _run_concurrent(vllm: Any, llm: Any, spec: dict[str, Any], c: int) -> dict[str, Any]:
+    """c requests submitted at once (greedy; prompts taken round-robin over every segment's prompts):
+    aggregate output tokens/s over the wall time, counters delta around the batch."""
+    pool = _prompt_pool(spec)
+    batch = [{"prompt_token_ids": list(pool[i % len(pool)]["token_ids"])} for i in range(c)]
+    params = _sampling(vllm, spec, 0.0, int(spec["max_new_tokens"]))
+    before = snapshot(llm.get_metrics())
+    t0 = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = snapshot(llm.get_metrics())
+    n_out = [len(o.outputs[0].token_ids) for o in outputs]
+    return {"concurrency": c, "n_requests": len(batch), "output_tokens": sum(n_out), "wall_s": wall,
+            "metrics_before": before, "metrics_after": after}  # fmt: skip
+
+
 def run(spec: dict[str, Any], result_path: Path) -> dict[str, Any]:
     """Measure; the result file is written before engine teardown (a hang there loses nothing)."""
     result: dict[str, Any] = {"method": spec["method"], "status": "failed", "pid": os.getpid()}
@@ -82,7 +105,7 @@ def run(spec: dict[str, Any], result_path: Path) -> dict[str, Any]:
     llm = vllm.LLM(model=spec["model"], tokenizer=spec.get("tokenizer") or spec["model"],
                    speculative_config=spec.get("speculative_config"), **spec["llm_kwargs"])  # fmt: skip
     result["engine_start_s"] = time.perf_counter() - t1
-    first = next((p for seg in spec["segments"] for p in seg["prompts"]), None)
+    first = next(iter(_prompt_pool(spec)), None)
     t2 = time.perf_counter()
     for _ in range(int(spec.get("warmup", 1)) if first else 0):
         _run_prompt(llm, first["token_ids"], _sampling(vllm, spec, 0.0, int(spec.get("warmup_tokens", 16))))
@@ -99,6 +122,7 @@ def run(spec: dict[str, Any], result_path: Path) -> dict[str, Any]:
         after = snapshot(llm.get_metrics())
         segments.append({"dataset": seg["dataset"], "temperature": seg["temperature"], "metrics_before": before, "metrics_after": after, "prompts": prompts})  # fmt: skip
     result["segments"] = segments
+    result["concurrency"] = [_run_concurrent(vllm, llm, spec, int(c)) for c in spec.get("concurrency") or []]
     result["status"] = "ok"
     _write(result_path, result)
     del llm  # engine teardown happens here and at exit; the numbers are already on disk
