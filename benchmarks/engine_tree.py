@@ -35,6 +35,9 @@ if "omegaconf" not in sys.modules:  # draftforge.target.config only needs omegac
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, wrap_target  # noqa: E402
+from draftforge.engine.target import KVCache, causal_mask, forward  # noqa: E402
+from draftforge.engine.timing import Clock  # noqa: E402
+from draftforge.engine.tree import build_tree, draft_topk, tree_inputs  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
 
@@ -67,6 +70,37 @@ def round_times(res, skip: int) -> dict[str, float]:
     out = {name: median([r[i] for r in rounds]) for i, name in enumerate(("draft", "build", "verify", "commit"))}
     out["round"] = median([sum(r) for r in rounds])
     out["overhead"] = median([r[1] + r[3] for r in rounds])  # = round − draft − verify
+    return out
+
+
+def verify_probe(tm, prompt: list[int], sizes: list[int], reps: int = 5) -> list[dict]:
+    """Target forward + LM head over n tokens after the prompt, causal mask vs a tree mask of the same
+    n (random best-first tree), median ms. Separates token-count effects (e.g. GEMM shapes) from
+    mask effects (SDPA kernel choice) in the verify cost."""
+    clock = Clock(tm.device)
+    cache = KVCache(tm, len(prompt) + max(sizes) + 8)
+    forward(tm, cache, torch.tensor([prompt], device=tm.device), torch.arange(len(prompt), device=tm.device))
+    start = cache.length
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in sizes:
+        logp, toks = draft_topk(torch.randn(15, 64, generator=g), 64)
+        tree = build_tree(1, logp, toks, n - 1)
+        t_ids, t_pos, t_mask = tree_inputs(tree, start, tm.device, tm.dtype)
+        c_ids = t_ids
+        c_pos = torch.arange(start, start + n, device=tm.device)
+        c_mask = causal_mask(start, n, tm.device, tm.dtype)
+        row = {"n": n}
+        for name, ids, pos, mask in (("causal", c_ids, c_pos, c_mask), ("tree", t_ids, t_pos, t_mask)):
+            times = []
+            for _ in range(reps + 1):
+                t0 = clock.now()
+                h, _ = forward(tm, cache, ids, pos, mask, True)
+                tm.lm_head(h[0]).argmax(-1).tolist()
+                times.append(clock.now() - t0)
+                cache.crop(start)
+            row[f"{name}_ms"] = 1e3 * median(times[1:])
+        out.append(row)
     return out
 
 
@@ -111,6 +145,7 @@ def main() -> None:
         generate_ddtree(tm, drafter, prompt, args.skip + 2, budget=budget)  # warm-up this shape
         res = generate_ddtree(tm, drafter, prompt, n_tok, budget=budget)
         rows.append({"method": "ddtree", "budget": budget, "tau": res.tau, **{k: v * 1e3 for k, v in round_times(res, args.skip).items()}})
+    probe = verify_probe(tm, prompt, [16, 17, 24, 32, 33, 64, 65, 257] if not args.tiny else [16, 17, 33])
     for r in rows:
         r["verify_over_ar"] = r["verify"] / (ar_step * 1e3)
         r["round_over_ar"] = r["round"] / (ar_step * 1e3)
@@ -122,6 +157,8 @@ def main() -> None:
         print(f"{r['method']:7} {r['budget']:>6} {r['verify']:9.2f} {r['verify_over_ar']:9.2f} {r['round']:9.2f} "
               f"{r['round_over_ar']:8.2f} {r['draft']:7.2f} {r['build']:7.2f} {r['commit']:7.2f} "
               f"{r['overhead_pct']:6.1f} {r['tau']:5.2f}")
+    print("\nverify forward + LM head by token count (ms): causal mask vs tree mask, same n")
+    print("  ".join(f"n={p['n']}: {p['causal_ms']:.2f}/{p['tree_ms']:.2f}" for p in probe))
     at256 = next((r for r in rows if r["method"] == "ddtree" and r["budget"] == 256), None)
     if at256:
         verdict = "PASS" if at256["overhead_pct"] <= 10 else "FAIL"
@@ -130,7 +167,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
         "target": {"layers": spec.num_layers, "hidden": spec.hidden_size, "vocab": spec.vocab_size},
         "prompt_len": args.prompt_len, "rounds": args.rounds, "ar_step_ms": ar_step * 1e3, "rows": rows,
-        "torch": torch.__version__, "tiny": args.tiny,
+        "verify_probe": probe, "torch": torch.__version__, "tiny": args.tiny,
     }  # fmt: skip
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "engine_tree.json"
