@@ -53,6 +53,15 @@ def test_stage_trains_exports_and_resumes(tiny_target_info, items, tmp_path):
     from draftforge.drafter.export import load_drafter
 
     load_drafter(out / "drafter")
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("draftforge/smoke")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'train'")
+    logged = run.data.metrics
+    for key in ("loss", "lr", "grad_norm", "block_tokens_per_s", "val_sim_tau", "val_acc_slot_1", "best_val_sim_tau"):
+        assert key in logged, key
+    assert len(client.get_metric_history(run.info.run_id, "val_sim_tau")) == 2
     assert (tmp_path / "smoke" / ".work" / "train" / "checkpoints" / "latest").is_file()
     # rerun: everything is in the checkpoint, nothing is retrained
     again = _run([PY, "-m", "draftforge.train"], tmp_path)
