@@ -77,7 +77,7 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
     n_new = N_GEN - B
     ours = generate_dflash(wrap_target(target, info["drafter"]["target_layer_ids"]), load_drafter(drafter_dir), prompt, n_new)
     assert ours.tokens == cont[:n_new]
-    write_json(root / EXP / "evaluate" / "humaneval.json", {"dataset": "humaneval", "engine": "draftforge", "rows": [
+    write_json(root / EXP / "evaluate" / "evaluate.json", {"engine": "draftforge", "rows": [
         {"dataset": "humaneval", "method": "dflash", "budget": None, "engine": "draftforge", "temperature": 0.0,
          "tau": ours.tau, "n_prompts": 1}]})  # fmt: skip
 

@@ -126,18 +126,23 @@ def test_rows_speedup_lossless_and_failed_method():
 def test_parity_block(tmp_path):
     rows = [{"method": "dflash", "dataset": "humaneval", "temperature": 0.0, "tau": 3.0, "n_prompts": 4},
             {"method": "dflash", "dataset": "chitchat", "temperature": 0.0, "tau": 2.0, "n_prompts": 4}]  # fmt: skip
-    missing = parity_block(rows, tmp_path / "evaluate", 0.05)
-    assert missing["available"] is False and "evaluate" in missing["reason"]
     ev = tmp_path / "evaluate"
+    missing = parity_block(rows, ev, 0.05)
+    assert missing["available"] is False and "evaluate" in missing["reason"]
     ev.mkdir()
-    (ev / "humaneval.json").write_text(json.dumps({"rows": [
+    # a dataset file of a still-running evaluate (per-response records) is not a finished result
+    (ev / "humaneval.json").write_text(json.dumps({"responses": [{"method": "dflash", "dataset": "humaneval", "tau": 1.0}]}))
+    assert parity_block(rows, ev, 0.05)["available"] is False
+    (ev / "evaluate.json").write_text(json.dumps({"engine": "draftforge", "rows": [
         {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 2.95, "n_prompts": 4},
-        {"method": "ddtree", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 4.0, "budget": 64}]}))  # fmt: skip
-    (ev / "chitchat.json").write_text(json.dumps([{"method": "dflash", "dataset": "chitchat", "temperature": 0.0, "tau": 2.5}]))
+        {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 1.0, "tau": 2.0, "n_prompts": 4},
+        {"method": "ddtree", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 4.0, "budget": 64},
+        {"method": "dflash", "dataset": "chitchat", "engine": "draftforge", "temperature": 0.0, "tau": 2.5}]}))  # fmt: skip
     block = parity_block(rows, ev, 0.05)
     assert block["available"] is True and block["all_within"] is False
     assert block["datasets"]["humaneval"]["within_tolerance"] is True
     assert block["datasets"]["humaneval"]["rel_diff"] == pytest.approx(0.05 / 2.95)
+    assert block["datasets"]["humaneval"]["standalone_n_prompts"] == 4
     assert block["datasets"]["chitchat"]["within_tolerance"] is False
 
 

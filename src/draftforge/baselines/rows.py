@@ -9,7 +9,7 @@ whose tokens differ from vLLM AR's tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,51 +95,31 @@ def add_comparisons(rows: list[dict[str, Any]], results: Mapping[str, Mapping[st
             row["lossless_mismatches"] = sum(1 for pid, toks in mine.items() if ref.get(pid) != toks)
 
 
-def _walk_rows(obj: Any, depth: int = 0) -> Iterator[dict[str, Any]]:
-    if depth > 4:
-        return
-    if isinstance(obj, dict):
-        if {"method", "dataset", "tau"} <= set(obj):
-            yield obj
-            return
-        for value in obj.values():
-            yield from _walk_rows(value, depth + 1)
-    elif isinstance(obj, list):
-        for value in obj:
-            yield from _walk_rows(value, depth + 1)
-
-
-def standalone_dflash_tau(evaluate_dir: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Our engine's DFlash rows at T = 0 per dataset, read from the evaluate stage's JSON files."""
+def standalone_dflash_tau(evaluate_marker: Path) -> dict[str, dict[str, Any]]:
+    """Our engine's DFlash rows at T = 0 per dataset, from the evaluate stage's marker (its `rows`)."""
+    try:
+        data = json.loads(evaluate_marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
     found: dict[str, dict[str, Any]] = {}
-    sources: list[str] = []
-    for path in sorted(evaluate_dir.glob("*.json")):
-        if path.name == "provenance.json":
+    for row in data.get("rows") or [] if isinstance(data, dict) else []:
+        if not isinstance(row, dict) or row.get("method") != "dflash" or row.get("engine") == ENGINE:
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        if row.get("tau") is None or float(row.get("temperature") or 0.0) != 0.0:
             continue
-        for row in _walk_rows(data):
-            if row.get("method") != "dflash" or row.get("engine") == ENGINE or row.get("tau") is None:
-                continue
-            if float(row.get("temperature") or 0.0) != 0.0:
-                continue
-            if row["dataset"] not in found:
-                found[row["dataset"]] = row
-                sources.append(str(path))
-    return found, sorted(set(sources))
+        found.setdefault(str(row.get("dataset")), row)
+    return found
 
 
 def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, tolerance: float) -> dict[str, Any]:
     """vLLM-DFlash τ beside our standalone DFlash τ, same prompts, T = 0 (|Δ| / standalone ≤ tolerance)."""
-    block: dict[str, Any] = {"tolerance": tolerance, "evaluate_dir": str(evaluate_dir), "datasets": {}, "all_within": None}
-    if not evaluate_dir.is_dir():
+    marker = evaluate_dir / "evaluate.json"
+    block: dict[str, Any] = {"tolerance": tolerance, "source": str(marker), "datasets": {}, "all_within": None}
+    if not marker.is_file():
         block["available"] = False
-        block["reason"] = "no evaluate results yet (run the evaluate stage, then rerun baselines)"
+        block["reason"] = "no finished evaluate stage (evaluate.json): run evaluate, then rerun baselines"
         return block
-    ours, sources = standalone_dflash_tau(evaluate_dir)
-    block["sources"] = sources
+    ours = standalone_dflash_tau(marker)
     vllm_rows = {r["dataset"]: r for r in rows if r["method"] == "dflash" and r["temperature"] == 0.0 and r.get("tau") is not None}
     for dataset in sorted(set(ours) | set(vllm_rows)):
         mine, theirs = vllm_rows.get(dataset), ours.get(dataset)
