@@ -7,6 +7,7 @@ rule baselines:
     params:
         cfg=params_of("baselines"),
         cmd=stage_cmd("baselines"),
+        nproc=nprocs(),
     log:
         stage_log("baselines"),
     benchmark:
@@ -16,4 +17,4 @@ rule baselines:
         gpu=0,
         timing=1,
     shell:
-        "OMP_NUM_THREADS={threads} VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

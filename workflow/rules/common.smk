@@ -30,11 +30,25 @@ def params_of(stage):
 
 
 def stage_cmd(stage, nproc=1, gpus=0):
-    """Shell command running one stage; torchrun when it spans several processes or GPUs."""
+    """Shell command running one stage; torchrun when it spans several processes or GPUs.
+
+    Holds only what the config decides (no core counts), so it is safe to track in params.
+    """
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES)]
     quoted = " ".join(shlex.quote(a) for a in args)
-    if nproc > 1 or gpus > 0:
-        n = gpus if gpus > 0 else nproc
+    n = nprocs(nproc, gpus)
+    if n > 1 or gpus > 0:
         launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n}"
         return f"{launch} -m draftforge.{stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
+
+
+def nprocs(nproc=1, gpus=0):
+    return gpus if gpus > 0 else max(1, nproc)
+
+
+# The job's cores split over its processes (unset, Snakemake would leave each process 1 thread).
+STAGE_SHELL = (
+    "OMP_NUM_THREADS=$(( {threads} > {params.nproc} ? {threads} / {params.nproc} : 1 )) "
+    "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log} 2>&1"
+)

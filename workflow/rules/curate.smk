@@ -6,6 +6,7 @@ rule curate:
     params:
         cfg=params_of("curate"),
         cmd=stage_cmd("curate"),
+        nproc=nprocs(),
     log:
         stage_log("curate"),
     benchmark:
@@ -14,4 +15,4 @@ rule curate:
     resources:
         gpu=0,
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

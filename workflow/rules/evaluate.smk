@@ -8,6 +8,7 @@ rule evaluate:
     params:
         cfg=params_of("evaluate"),
         cmd=stage_cmd("evaluate", gpus=CFG.evaluate.gpus),
+        nproc=nprocs(gpus=CFG.evaluate.gpus),
     log:
         stage_log("evaluate"),
     benchmark:
@@ -17,4 +18,4 @@ rule evaluate:
         gpu=CFG.evaluate.gpus,
         timing=1,
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

@@ -9,6 +9,7 @@ rule extract:
     params:
         cfg=params_of("extract"),
         cmd=stage_cmd("extract", nproc=CFG.extract.cpu_procs, gpus=CFG.extract.gpus),
+        nproc=nprocs(nproc=CFG.extract.cpu_procs, gpus=CFG.extract.gpus),
     log:
         stage_log("extract"),
     benchmark:
@@ -17,4 +18,4 @@ rule extract:
     resources:
         gpu=CFG.extract.gpus,
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

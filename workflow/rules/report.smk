@@ -11,6 +11,7 @@ rule report:
     params:
         cfg=params_of("report"),
         cmd=stage_cmd("report"),
+        nproc=nprocs(),
     log:
         stage_log("report"),
     benchmark:
@@ -19,4 +20,4 @@ rule report:
     resources:
         gpu=0,
     shell:
-        "{params.cmd} > {log} 2>&1"
+        STAGE_SHELL

@@ -4,6 +4,7 @@ rule target:
     params:
         cfg=params_of("target"),
         cmd=stage_cmd("target"),
+        nproc=nprocs(),
     log:
         stage_log("target"),
     benchmark:
@@ -12,4 +13,4 @@ rule target:
     resources:
         gpu=0,
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

@@ -8,6 +8,7 @@ rule train:
     params:
         cfg=params_of("train"),
         cmd=stage_cmd("train", nproc=CFG.train.cpu_procs, gpus=CFG.train.gpus),
+        nproc=nprocs(nproc=CFG.train.cpu_procs, gpus=CFG.train.gpus),
     log:
         stage_log("train"),
     benchmark:
@@ -16,4 +17,4 @@ rule train:
     resources:
         gpu=CFG.train.gpus,
     shell:
-        "OMP_NUM_THREADS={threads} {params.cmd} > {log} 2>&1"
+        STAGE_SHELL

@@ -61,8 +61,10 @@ def mlflow_links(results_root: Path, experiment: str, base_url: str) -> list[str
 
 
 def training_history(metrics: dict[str, Any]) -> list[dict[str, Any]]:
-    history = metrics.get("history") or []
-    return [h for h in history if isinstance(h, dict) and "step" in h]
+    """train/metrics.json curves → [{step, loss}…, {step, val_tau_sim}…] for the training plot."""
+    curve = [{"step": h["step"], "loss": h["loss"]} for h in metrics.get("train_curve") or [] if "loss" in h]
+    val = [{"step": e["step"], "val_tau_sim": e["val_sim_tau"]} for e in metrics.get("val_curve") or [] if "val_sim_tau" in e]
+    return curve + val
 
 
 def build_report(ctx) -> dict[str, Any]:
@@ -91,7 +93,8 @@ def build_report(ctx) -> dict[str, Any]:
         f"Target **{target['name']}** ({target['architecture']}, {target['num_layers']} layers, H {target['hidden_size']}); "
         f"drafter {target['drafter']['num_layers']} layers, block {target['drafter']['block_size']}, taps {target['drafter']['target_layer_ids']}.",
         f"Training set: {curate.get('counts', {}).get('kept', curate.get('kept', '?'))} conversations. "
-        f"Train val simulated τ: {fmt(train.get('best_val_tau_sim', train.get('val_tau_sim')))}.",
+        f"Drafter trained {train.get('steps', '?')} steps; val simulated τ {fmt((train.get('best') or {}).get('val_sim_tau'))} "
+        f"({train.get('selected', '?')}).",
         "",
         "Speedup = mean TPOT(AR) / mean TPOT(method) within one engine; τ = tokens committed per target verify (bonus included).",
         "The best DDTree budget is chosen on the evaluation data itself (as published numbers do).",
