@@ -159,3 +159,4 @@ def test_warm_start_copies_target_layers(tiny_target_info):
     assert used == list(range(cfg.target_num_layers - cfg.num_hidden_layers, cfg.target_num_layers))
     src = read_tensors(tiny_target_info["hf_path"], [f"model.layers.{used[0]}.mlp.up_proj.weight"])
     assert torch.equal(m.layers[0].mlp.up_proj.weight, next(iter(src.values())))
+    assert torch.equal(m.norm.weight, read_tensors(tiny_target_info["hf_path"], ["model.norm.weight"])["model.norm.weight"])

@@ -69,7 +69,7 @@ def default_source_layers(target_num_layers: int, draft_layers: int) -> list[int
 
 @torch.no_grad()
 def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: list[int] | None = None) -> list[int]:
-    """Copy target layers `source_layers[i]` into draft layer i; returns the layers used."""
+    """Copy target layers `source_layers[i]` into draft layer i (and the final norm); returns the layers used."""
     cfg = model.cfg
     source_layers = source_layers or default_source_layers(cfg.target_num_layers, cfg.num_hidden_layers)
     if len(source_layers) != cfg.num_hidden_layers:
@@ -88,4 +88,8 @@ def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: li
             if dest.shape != found[name].shape:
                 raise StageError(f"{hf_dir}: {name} has shape {tuple(found[name].shape)}, draft expects {tuple(dest.shape)}")
             dest.copy_(found[name].to(dest.dtype))
+    # The draft output meets the target's LM head: start from the target's own final norm.
+    final = read_tensors(hf_dir, ["model.norm.weight"]).get("model.norm.weight")
+    if final is not None and final.shape == model.norm.weight.shape:
+        model.norm.weight.copy_(final.to(model.norm.weight.dtype))
     return source_layers
