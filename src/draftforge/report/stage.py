@@ -11,7 +11,7 @@ from typing import Any
 from draftforge.io import read_json, write_text
 from draftforge.paths import mlflow_uri
 from draftforge.report import plots
-from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, fmt
+from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, dflash_parity, fmt
 from draftforge.tracking import experiment_name, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,11 @@ def build_report(ctx) -> dict[str, Any]:
         f"- **{ds}**: DDTree budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} tok/s, τ {fmt(r.get('tau'))}, "
         f"speedup {fmt(r.get('speedup_vs_ar'))}× vs AR" for ds, r in sorted(best.items())
     ]  # fmt: skip
+    parity = dflash_parity(rows)
+    parity_lines = [
+        f"- **{p['dataset']}**: τ vLLM {p['tau_vllm']:.3f} vs standalone {p['tau_draftforge']:.3f} "
+        f"(rel. diff {100 * p['rel_diff']:.1f}%, {'within' if p['within'] else 'OUTSIDE'} 5%)" for p in parity
+    ]  # fmt: skip
     links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"))
     text = "\n".join([
         f"# draftforge report — experiment `{ctx.experiment}`",
@@ -102,6 +107,9 @@ def build_report(ctx) -> dict[str, Any]:
         "## Best DDTree budget per dataset",
         *(best_lines or ["- (no DDTree rows)"]),
         "",
+        "## Train/serve parity (our drafter: vLLM `dflash` vs the standalone DFlash chain, T = 0)",
+        *(parity_lines or ["- (needs dflash rows from both engines)"]),
+        "",
         "## All runs",
         markdown_table(rows),
         "",
@@ -113,13 +121,15 @@ def build_report(ctx) -> dict[str, Any]:
         "",
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
-    return {"text": text, "rows": rows, "figures": figures}
+    return {"text": text, "rows": rows, "figures": figures, "parity": parity}
 
 
 def main(ctx) -> None:
     with mlflow_run(**ctx.tracking_kwargs(), run_name="report", params=ctx.params) as run:
         report = build_report(ctx)
         run.log_metrics({"rows": len(report["rows"])})
+        for p in report["parity"]:
+            run.log_metrics({f"parity_rel_diff_{p['dataset']}": p["rel_diff"]})
         for path in report["figures"].values():
             run.log_artifact(path)
         run.log_artifact(ctx.out_dir / "summary.csv")
