@@ -78,7 +78,7 @@ def run_world(args: argparse.Namespace, n: int, work: Path) -> dict:
 
     root = work / f"n{n}"
     shutil.rmtree(root, ignore_errors=True)
-    launch = [f"extract.cpu_procs={n}", f"train.cpu_procs={n}", "extract.gpus=0", "train.gpus=0"] if args.cpu else \
+    launch = [f"extract.cpu_procs={n}", f"train.cpu_procs={n}", "extract.gpus=0", "train.gpus=0", "train.compile=false"] if args.cpu else \
              [f"extract.gpus={n}", f"train.gpus={n}"]  # fmt: skip
     overrides = [f"target={args.target}", *launch, f"train.batch_seqs={n * args.seqs_per_gpu_step}",
                  f"train.max_steps={args.train_steps}", f"train.max_seq_len={args.max_len}", *args.override]  # fmt: skip

@@ -57,6 +57,9 @@ class TrainResult:
     step: int
     total_steps: int
     interrupted: bool = False
+    # Steady-state speed of this process's steps (first 2 excluded: compile/warm-up), evals and
+    # checkpoints excluded: {"steps", "seconds", "ctx_tokens_per_s", "block_tokens_per_s"} (global).
+    throughput: dict[str, float] | None = None
 
 
 def total_steps(cfg: TrainConfig, n_seq: int) -> tuple[int, int]:
@@ -224,6 +227,8 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     it = Prefetcher(batches(inp, step, per_epoch, total), depth=cfg.prefetch)
     bar = tqdm(total=total, initial=step, disable=not rank0, desc="train", unit="step")
     t_last, tok_acc, blk_acc = time.perf_counter(), 0.0, 0.0
+    first_step, speed = step, {"steps": 0.0, "seconds": 0.0, "ctx_tokens": 0.0, "block_tokens": 0.0}
+    t_step = time.perf_counter()
     try:
         for step_now, epoch, batch in it:
             batch = batch.to(inp.device)
@@ -241,8 +246,13 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
             sched.step()
             opt.zero_grad(set_to_none=True)
             step = step_now + 1
-            tok_acc += float(sums[2])
+            tok_acc += float(sums[2])  # float(): syncs the device, so step times are real
             blk_acc += float(sums[3])
+            if step_now >= first_step + 2:
+                speed["steps"] += 1
+                speed["seconds"] += time.perf_counter() - t_step
+                speed["ctx_tokens"] += float(sums[2])
+                speed["block_tokens"] += float(sums[3])
             rec = {"step": step, "epoch": epoch, "loss": float(sums[1] / w_global), "lr": sched.get_last_lr()[0],
                    "grad_norm": float(grad_norm)}
             history.append(rec)
@@ -263,7 +273,13 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
                     checkpoint(step)
                 interrupted = True
                 break
+            t_step = time.perf_counter()
     finally:
         it.close()
         bar.close()
-    return TrainResult(model, history, evals, best, step, total, interrupted)
+    throughput = None
+    if speed["seconds"] > 0:
+        throughput = {"steps": speed["steps"], "seconds": speed["seconds"],
+                      "ctx_tokens_per_s": speed["ctx_tokens"] / speed["seconds"],
+                      "block_tokens_per_s": speed["block_tokens"] / speed["seconds"]}  # fmt: skip
+    return TrainResult(model, history, evals, best, step, total, interrupted, throughput)

@@ -115,6 +115,7 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "total_steps": result.total_steps,
         "n_train_seqs": n_train,
         "world_size": ctx.world_size,
+        "throughput": result.throughput,
         "final_train_loss": last.get("loss"),
         "best": result.best,
         "last_eval": result.evals[-1] if result.evals else None,
