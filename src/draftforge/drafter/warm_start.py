@@ -12,22 +12,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from draftforge.drafter.export import LAYER_KEYS
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.errors import StageError
 
-_LAYER_TENSORS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
+_LAYER_TENSORS = LAYER_KEYS  # one Qwen3 decoder layer's tensors, named as in HF and in the export
 _OPTIONAL = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
