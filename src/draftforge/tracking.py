@@ -133,7 +133,9 @@ def mlflow_run(
         found = mlflow.get_experiment_by_name(exp_name)
         if found is not None:
             return found.experiment_id
-        return mlflow.create_experiment(exp_name, artifact_location=f"{artifact_root}/{experiment}")
+        # "custom_model_development": mlflow ui opens on the runs table, not the GenAI traces overview.
+        return mlflow.create_experiment(exp_name, artifact_location=f"{artifact_root}/{experiment}",
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
 
     exp_id = with_retries(_experiment_id)
     all_tags = {"stage": stage, "pipeline": experiment, **{k: str(v) for k, v in (tags or {}).items()}}
