@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
