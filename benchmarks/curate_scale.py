@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import subprocess
@@ -26,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -128,9 +128,7 @@ def main() -> None:
         d = r["dropped"]
         print(f"{r['rows']:>9} {r['max_rows']:>7} {r['kept']:>7} {r['rows_per_s']:>9} {r['peak_rss_mib']:>13} "
               f"{d.get('contaminated:synthetic_eval', 0):>9} {d.get('duplicate_exact', 0):>9} {d.get('duplicate_near', 0):>9}")  # fmt: skip
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "curate_scale.json").write_text(json.dumps(results, indent=2))
+    write_record("curate_scale", results)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ Writes $OUT/engine_cpu.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -65,11 +64,7 @@ def main() -> None:
         r["tokens_per_s_over_ar"] = ratio
         print(f"{r['method']:7} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} {r['tau']:5.2f} "
               f"{(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} {r['lossless_mismatches']:>8}")
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "engine_cpu.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"target": info["name"], "dataset": args.dataset, "rows": rows}, indent=2))
-        print(f"wrote {path}")
+    write_record("engine_cpu", {"target": info["name"], "dataset": args.dataset, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,23 +14,16 @@ transformers installs) and this repo on PYTHONPATH. Stage times wait for the GPU
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-if "omegaconf" not in sys.modules:  # draftforge.target.config only needs omegaconf.MISSING
-    try:
-        import omegaconf  # noqa: F401
-    except ImportError:
-        sys.modules["omegaconf"] = types.SimpleNamespace(MISSING="???")  # type: ignore[assignment]
 
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
@@ -169,11 +162,7 @@ def main() -> None:
         "prompt_len": args.prompt_len, "rounds": args.rounds, "ar_step_ms": ar_step * 1e3, "rows": rows,
         "verify_probe": probe, "torch": torch.__version__, "tiny": args.tiny,
     }  # fmt: skip
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "engine_tree.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_record("engine_tree", report)
 
 
 if __name__ == "__main__":

@@ -19,25 +19,18 @@ with transformers) and this repo on PYTHONPATH.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 import torch
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-if "omegaconf" not in sys.modules:  # draftforge.target.config only needs omegaconf.MISSING
-    try:
-        import omegaconf  # noqa: F401
-    except ImportError:
-        sys.modules["omegaconf"] = types.SimpleNamespace(MISSING="???")  # type: ignore[assignment]
 
 from draftforge.extract.batching import make_batches, pad_batch  # noqa: E402
 from draftforge.extract.plan import ExtractPlan, ShardRows, ShardSpec, _cut  # noqa: E402
@@ -227,11 +220,7 @@ def main() -> None:
         ("shard write GiB/s", result["extract_write_gib_per_s"]), ("padding efficiency", result["padding_efficiency"]),
     ]:  # fmt: skip
         print(f"{name:<34}{value:>14.3f}")
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "extract_throughput.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_record("extract_throughput", result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -125,8 +126,7 @@ def main() -> None:
     print(f"{'extract':8} {scaled['extract_tokens_per_s']:18.0f} {single['extract_tokens_per_s']:16.0f} {eff['extract']:11.3f} >= 0.90")
     print(f"{'train':8} {scaled['train_block_tokens_per_s']:18.0f} {single['train_block_tokens_per_s']:16.0f} {eff['train']:11.3f} >= 0.85")
     record = {"n": n, "cpu": args.cpu, "target": args.target, "scaled": scaled, "single": single, "efficiency": eff}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "scaling.json").write_text(json.dumps(record, indent=2))
+    write_record("scaling", record)
     print(json.dumps(record))
 
 

@@ -23,13 +23,12 @@ Writes $OUT/train_throughput.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -216,11 +215,7 @@ def main() -> None:
           f"{res['achieved_tflops']:9.2f} {mfu:>10} {res['mfu_vs_ceiling']:10.1%} {res['matmul_ceiling_tflops']:10.1f}")
     print(f"FLOPs/step: layers {f['layers']:.3g} attention {f['attention']:.3g} fc {f['fc']:.3g} lm_head {f['lm_head']:.3g} total {f['total']:.3g}")
     print(f"formula: {res['flops_formula']}")
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "train_throughput.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_record("train_throughput", res)
 
 
 if __name__ == "__main__":
