@@ -46,6 +46,14 @@ def _need_path(src: SourceConfig) -> Path:
     return path
 
 
+def checked_row(rec: Any, source: str, fallback_id: str, fmt: str, min_chars: int, on_malformed: str, where: str) -> Item:
+    """record_to_row, except that a malformed record is one StageError naming `where` when so configured."""
+    item = record_to_row(rec, source, fallback_id, fmt, min_chars)
+    if isinstance(item, Drop) and item.reason == "malformed" and on_malformed == "error":
+        raise StageError(f"{where}: {item}")
+    return item
+
+
 def iter_jsonl(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterator[Item]:
     path = _need_path(src)
     fmt = src.options.get("format", "auto")
@@ -70,10 +78,7 @@ def iter_jsonl(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterator
                         raise StageError(f"{file}:{lineno}: malformed JSON ({exc.msg})") from None
                     yield Drop("malformed", f"{file.name}:{lineno}")
                     continue
-                item = record_to_row(rec, src.name, f"{file.stem}-{lineno}", fmt, min_chars)
-                if isinstance(item, Drop) and item.reason == "malformed" and on_malformed == "error":
-                    raise StageError(f"{file}:{lineno}: {item}")
-                yield item
+                yield checked_row(rec, src.name, f"{file.stem}-{lineno}", fmt, min_chars, on_malformed, f"{file}:{lineno}")
 
 
 def iter_parquet(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterator[Item]:
@@ -92,10 +97,7 @@ def iter_parquet(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterat
         for batch in pf.iter_batches(batch_size=1024):
             for rec in batch.to_pylist():
                 n += 1
-                item = record_to_row(rec, src.name, f"{file.stem}-{n}", fmt, min_chars)
-                if isinstance(item, Drop) and item.reason == "malformed" and on_malformed == "error":
-                    raise StageError(f"{file}: row {n}: {item}")
-                yield item
+                yield checked_row(rec, src.name, f"{file.stem}-{n}", fmt, min_chars, on_malformed, f"{file}: row {n}")
 
 
 def iter_hf_disk(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterator[Item]:
@@ -117,10 +119,7 @@ def iter_hf_disk(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterat
         ds = ds[split]
     fmt = src.options.get("format", "auto")
     for n, rec in enumerate(ds):
-        item = record_to_row(rec, src.name, str(n), fmt, min_chars)
-        if isinstance(item, Drop) and item.reason == "malformed" and on_malformed == "error":
-            raise StageError(f"{path}: row {n}: {item}")
-        yield item
+        yield checked_row(rec, src.name, str(n), fmt, min_chars, on_malformed, f"{path}: row {n}")
 
 
 def iter_source(src: SourceConfig, *, min_chars: int, on_malformed: str, eval_cfg: Any = None) -> Iterator[Item]:
