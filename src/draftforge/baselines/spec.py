@@ -6,7 +6,6 @@ imports vLLM or torch. Invariants: batch size 1 (max_num_seqs=1), prefix caching
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,16 +79,9 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
 
 def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:
     """The exported drafter's config.json, checked against the target (layer ids, width, vocab)."""
-    from draftforge.drafter.config import DFlashConfig
+    from draftforge.drafter.config import read_exported_config
 
-    cfg_path = drafter_dir / "config.json"
-    if not cfg_path.is_file() or not (drafter_dir / "model.safetensors").is_file():
-        raise StageError(f"{drafter_dir}: not an exported drafter (needs config.json + model.safetensors)")
-    try:
-        hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
-    dcfg = DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+    dcfg = read_exported_config(drafter_dir)
     problems = []
     n_layers = int(target_info["num_layers"])
     if dcfg.target_num_layers and dcfg.target_num_layers != n_layers:
@@ -101,7 +93,7 @@ def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[
     if dcfg.vocab_size != int(target_info["vocab_size"]):
         problems.append(f"vocab_size {dcfg.vocab_size} != target vocab_size {target_info['vocab_size']}")
     if problems:
-        raise StageError(f"{cfg_path}: drafter does not match the target: " + "; ".join(problems))
+        raise StageError(f"{drafter_dir / 'config.json'}: drafter does not match the target: " + "; ".join(problems))
     return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id}
 
 

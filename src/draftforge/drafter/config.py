@@ -7,7 +7,9 @@ row of the target's embedding table (the vocabulary is never resized).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from draftforge.errors import StageError
@@ -149,3 +151,16 @@ class DFlashConfig:
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def read_exported_config(directory: str | Path) -> DFlashConfig:
+    """The config of an exported drafter folder (config.json + model.safetensors), with clear errors."""
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
+        raise StageError(f"{directory}: not an exported drafter (needs config.json + model.safetensors)")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    return DFlashConfig.from_hf_dict(hf, where=str(cfg_path))

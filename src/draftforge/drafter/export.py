@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.config import DFlashConfig, read_exported_config
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.errors import StageError
 from draftforge.io import atomic_dir
@@ -106,14 +106,7 @@ def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path,
 def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_impl: str = "auto") -> DFlashDrafter:
     """Load an exported drafter (our engine); validates config and keys with clear errors."""
     directory = Path(directory)
-    cfg_path, weights = directory / "config.json", directory / "model.safetensors"
-    if not cfg_path.is_file() or not weights.is_file():
-        raise StageError(f"{directory}: not an exported drafter (needs config.json + model.safetensors)")
-    try:
-        hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
-    cfg = DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+    cfg, weights = read_exported_config(directory), directory / "model.safetensors"
     tensors = load_file(str(weights))
     check_keys(tensors, cfg, where=str(weights))
     model = DFlashDrafter(cfg, attn_impl=attn_impl)
