@@ -86,6 +86,7 @@ def test_report_rows_cover_every_method(smoke_repo: Path) -> None:
             assert float(r["tau"]) >= 1.0 and int(float(r["lossless_mismatches"])) == 0
     text = (smoke_repo / "results" / "smoke" / "report" / "summary.md").read_text()
     assert "| dataset |" in text and "#/experiments/" in text
+    assert "τ vLLM" in text  # the parity section renders the baselines stage's check
 
 
 def planned(repo: Path, *config: str, extra: tuple[str, ...] = ()) -> set[str]:

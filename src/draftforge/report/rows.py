@@ -59,22 +59,3 @@ def fmt(value: Any, digits: int = 2) -> str:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.{digits}f}"
     return str(value)
-
-
-def dflash_parity(rows: list[dict[str, Any]], tolerance: float = 0.05) -> list[dict[str, Any]]:
-    """Per dataset: τ of our drafter served by vLLM vs in the standalone engine (train/serve check).
-
-    A layer offset or an unshared LM head at serving shows up as a vLLM τ far below ours.
-    """
-    taus: dict[tuple[str, str], float] = {}
-    for r in rows:
-        if r["method"] == "dflash" and r.get("status", "ok") == "ok" and r.get("tau") is not None:
-            taus[(str(r.get("dataset")), r["engine"])] = float(r["tau"])
-    out = []
-    for dataset in sorted({d for d, _ in taus}):
-        ours, vllm = taus.get((dataset, "draftforge")), taus.get((dataset, "vllm"))
-        if ours is None or vllm is None:
-            continue
-        rel = abs(vllm - ours) / ours
-        out.append({"dataset": dataset, "tau_draftforge": ours, "tau_vllm": vllm, "rel_diff": rel, "within": rel <= tolerance})
-    return out
