@@ -1,0 +1,241 @@
+"""What limits the default world's drafter: val simulated τ vs training steps, data size and init (issue 5).
+
+Runs the pipeline's own pieces in memory on one device — the GGUF target conversion
+(draftforge.target.gguf.convert_gguf), tapped-feature capture (draftforge.extract.capture.TapCapture,
+fp32 forward, features kept in bf16 as the extract stage stores them) and the training loop
+(draftforge.train.loop.train, cold or warm init, the same loss / schedule / val metrics) — over the
+curate output of `experiment=default`, for a list of settings, and prints one table of val curves.
+
+A setting is `key=value,...` over: steps, batch (sequences per step), anchors, lr, frac (fraction of
+the train split used), init (cold|target), warmup (ratio), eval (every N steps). Defaults are the
+default experiment's CPU settings (120 steps, 4 x 32 anchors, lr 3e-3, cold).
+
+    python benchmarks/train_curve.py --curate results/default/curate --target-json results/default/target/target.json \
+        --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf  "steps=120" "steps=3000,batch=16,anchors=64"
+Writes $OUT/train_curve.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+from _out import write_record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from draftforge.drafter.config import DFlashConfig
+from draftforge.extract.capture import TapCapture
+from draftforge.train.config import TrainConfig
+from draftforge.train.data import InMemorySource
+from draftforge.train.head import FrozenTargetHead
+from draftforge.train.loop import TrainInputs, train
+
+# The default experiment's train settings (conf/experiment/default.yaml) that a setting may change.
+BASE = {
+    "steps": 120,
+    "batch": 4,
+    "anchors": 32,
+    "lr": 3e-3,
+    "frac": 1.0,
+    "init": "cold",
+    "warmup": 0.04,
+    "eval": 40,
+}
+
+
+def parse_setting(text: str) -> dict[str, Any]:
+    out = dict(BASE)
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key not in BASE:
+            raise SystemExit(
+                f"setting {text!r}: unknown key {key!r} (known: {', '.join(BASE)})"
+            )
+        out[key] = type(BASE[key])(value)
+    if out["init"] not in ("cold", "target"):
+        raise SystemExit(f"setting {text!r}: init must be cold or target")
+    return out
+
+
+def read_split(curate_dir: Path, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(input_ids (T,) int64, loss_mask (T,) uint8)] of one curate split, in file order."""
+    rows = []
+    for path in sorted(curate_dir.glob(f"{split}-*.parquet")):
+        table = pq.read_table(path, columns=["input_ids", "loss_mask"]).to_pydict()
+        rows += [(torch.tensor(i, dtype=torch.int64), torch.tensor(m, dtype=torch.uint8))
+                 for i, m in zip(table["input_ids"], table["loss_mask"])]  # fmt: skip
+    if not rows:
+        raise SystemExit(f"{curate_dir}: no {split}-*.parquet rows")
+    return rows
+
+
+def capture_features(
+    hf_dir: Path, layer_ids: list[int], rows, device: torch.device
+) -> list[tuple]:
+    """Per row (ids, mask, hidden (T, n_taps·H) bf16 on the host): one fp32 forward per sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        .to(device)
+        .eval()
+    )
+    cap = TapCapture(model, layer_ids)
+    out = []
+    for ids, mask in rows:
+        x = ids[None].to(device)
+        hidden = cap.run(x, torch.ones_like(x))  # (T, n_taps·H)
+        out.append((ids, mask, hidden.to(torch.bfloat16).cpu()))
+    del model
+    return out
+
+
+def run_setting(
+    s: dict[str, Any],
+    base_cfg: TrainConfig,
+    dcfg: DFlashConfig,
+    train_items,
+    val_items,
+    head,
+    hf_dir,
+    device,
+) -> dict[str, Any]:
+    n_train = max(s["batch"], int(len(train_items) * s["frac"]))
+    cfg = replace(base_cfg, max_steps=s["steps"], batch_seqs=s["batch"], num_anchors=s["anchors"], lr=s["lr"],
+                  warmup_ratio=s["warmup"], init_from_target=s["init"] == "target", eval_every=s["eval"],
+                  ckpt_every=10**9, log_every=10**9)  # fmt: skip
+    with tempfile.TemporaryDirectory() as ckpt:
+        inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=InMemorySource(train_items[:n_train]),
+                          val_source=InMemorySource(val_items), head=head, ckpt_dir=Path(ckpt),
+                          resume_key=json.dumps(s, sort_keys=True), device=device, target_hf_path=str(hf_dir))  # fmt: skip
+        t0 = time.perf_counter()
+        result = train(inp)
+        wall = time.perf_counter() - t0
+    seen = s["steps"] * s["batch"]
+    return {
+        "setting": s,
+        "n_train_seqs": n_train,
+        "epochs": seen / n_train,
+        "wall_s": wall,
+        "step_s": (result.throughput or {}).get("seconds", wall)
+        / max(1.0, (result.throughput or {}).get("steps", s["steps"])),
+        "final_train_loss": result.history[-1]["loss"] if result.history else None,
+        "curve": [
+            {k: e[k] for k in ("step", "val_loss", "val_acc", "val_sim_tau")}
+            for e in result.evals
+        ],
+        "best": result.best,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--curate", type=Path, required=True, help="results/default/curate")
+    p.add_argument(
+        "--target-json",
+        type=Path,
+        required=True,
+        help="results/default/target/target.json",
+    )
+    p.add_argument("--gguf", type=Path, help="convert this GGUF (else --hf-dir)")
+    p.add_argument("--hf-dir", type=Path, help="an already converted HF folder")
+    p.add_argument(
+        "--cache", type=Path, default=Path(tempfile.gettempdir()) / "draftforge-cache"
+    )
+    p.add_argument(
+        "--val-seqs",
+        type=int,
+        default=24,
+        help="val sequences scored (the default experiment's val_max_seqs)",
+    )
+    p.add_argument(
+        "--max-train",
+        type=int,
+        default=0,
+        help="cap on train rows (0 = all; a CPU smoke check)",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("settings", nargs="*", default=["steps=120"])
+    args = p.parse_args()
+    settings = [parse_setting(t) for t in args.settings]
+    device = torch.device(args.device)
+    info = json.loads(args.target_json.read_text())
+    if args.gguf is not None:
+        from draftforge.target.gguf import convert_gguf
+
+        hf_dir = convert_gguf(args.gguf, args.cache, info["name"])
+    elif args.hf_dir is not None:
+        hf_dir = args.hf_dir
+    else:
+        raise SystemExit("give --gguf or --hf-dir")
+    info = {**info, "hf_path": str(hf_dir)}
+    dcfg = DFlashConfig.from_target(info)
+    t0 = time.perf_counter()
+    train_rows, val_rows = (
+        read_split(args.curate, "train"),
+        read_split(args.curate, "val")[: args.val_seqs],
+    )
+    if args.max_train:
+        train_rows = train_rows[: args.max_train]
+    layer_ids = list(info["drafter"]["target_layer_ids"])
+    train_items = capture_features(hf_dir, layer_ids, train_rows, device)
+    val_items = capture_features(hf_dir, layer_ids, val_rows, device)
+    extract_s = time.perf_counter() - t0
+    n_tok = sum(int(i.numel()) for i, _, _ in train_items)
+    print(
+        f"features: {len(train_items)} train / {len(val_items)} val seqs, {n_tok} train tokens, {extract_s:.1f} s"
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    head = FrozenTargetHead.from_target(hf_dir, dtype=dtype, device=device)
+    base_cfg = replace(
+        TrainConfig(),
+        max_seq_len=1024,
+        val_max_seqs=args.val_seqs,
+        val_num_anchors=32,
+        seed=0,
+    )
+    results = []
+    record = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "target": info["name"],
+              "n_train_seqs": len(train_items), "n_val_seqs": len(val_items), "train_tokens": n_tok,
+              "feature_s": extract_s, "results": results}  # fmt: skip
+    for s in settings:
+        res = run_setting(
+            s, base_cfg, dcfg, train_items, val_items, head, hf_dir, device
+        )
+        results.append(res)
+        best = res["best"] or {}
+        curve = " ".join(f"{e['step']}:{e['val_sim_tau']:.3f}" for e in res["curve"])
+        print(
+            f"{json.dumps(s)} | seqs {res['n_train_seqs']} epochs {res['epochs']:.1f} | {res['step_s'] * 1e3:.0f} ms/step | "
+            f"train loss {res['final_train_loss']:.3f} | best val τ {best.get('val_sim_tau', float('nan')):.3f} "
+            f"loss {best.get('val_loss', float('nan')):.3f} acc1 {best.get('val_acc_slot_1', float('nan')):.3f} | curve {curve}",
+            flush=True,
+        )
+        write_record(
+            "train_curve", record
+        )  # after every setting: a killed run keeps what finished
+    print(
+        f"\n{'steps':>6} {'batch':>5} {'anch':>5} {'lr':>7} {'frac':>5} {'init':>6} {'epochs':>6} {'trainL':>7} {'valL':>6} {'acc1':>6} {'acc2':>6} {'acc':>6} {'τ_sim':>6}"
+    )
+    for r in results:
+        s, b = r["setting"], r["best"] or {}
+        print(
+            f"{s['steps']:>6} {s['batch']:>5} {s['anchors']:>5} {s['lr']:>7.0e} {s['frac']:>5.2f} {s['init']:>6} {r['epochs']:>6.1f} "
+            f"{r['final_train_loss']:>7.3f} {b.get('val_loss', float('nan')):>6.3f} {b.get('val_acc_slot_1', float('nan')):>6.3f} "
+            f"{b.get('val_acc_slot_2', float('nan')):>6.3f} {b.get('val_acc', float('nan')):>6.3f} {b.get('val_sim_tau', float('nan')):>6.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
