@@ -15,7 +15,7 @@ from train_fixtures import make_inputs, synthetic_items, write_extract_index  # 
 from draftforge.errors import StageError  # noqa: E402
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.data import anchor_candidates, collate, draw_anchors, epoch_order, rank_share  # noqa: E402
-from draftforge.train.loop import lr_lambda, train  # noqa: E402
+from draftforge.train.loop import lr_lambda, train, val_indices  # noqa: E402
 from draftforge.train.loss import BlockOutputs, block_losses, slot_stats, slot_weights, summarize  # noqa: E402
 
 
@@ -90,6 +90,13 @@ def test_lr_schedule_warmup_then_cosine():
     f = lr_lambda(100, 0.04, 0.0)
     assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
     assert f(52) == pytest.approx(0.5, abs=0.02) and f(99) < 0.01
+
+
+def test_val_subset_spreads_over_the_length_sorted_split():
+    assert val_indices(64, 24) == [i * 64 // 24 for i in range(24)]
+    picked = val_indices(64, 24)
+    assert picked[0] == 0 and picked[-1] >= 60 and len(set(picked)) == 24  # not the 24 longest (a prefix)
+    assert val_indices(5, 24) == [0, 1, 2, 3, 4] and val_indices(0, 24) == [] and val_indices(10, 0) == []
 
 
 def test_loop_learns_and_tracks_best(tiny_target_info, items, tmp_path):

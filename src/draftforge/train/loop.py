@@ -124,19 +124,26 @@ def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, 
     return block_losses(h, head.lm_head, batch.targets, batch.valid, weights)
 
 
+def val_indices(n_total: int, n_max: int) -> list[int]:
+    """Up to n_max val sequences spread evenly over the split (extract shards are length-sorted, so a
+    prefix would score only the longest sequences)."""
+    n = min(n_total, max(0, n_max))
+    return [i * n_total // n for i in range(n)] if n else []
+
+
 @torch.no_grad()
 def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict[str, float]:
     """Val loss, per-slot top-1 accuracy, simulated acceptance length; sharded over ranks, all-reduced."""
     cfg, dcfg = inp.cfg, inp.dcfg
     src = inp.val_source
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
-    n = min(len(src), cfg.val_max_seqs) if src is not None else 0
+    picked = val_indices(len(src), cfg.val_max_seqs) if src is not None else []
     B = dcfg.block_size
     sums = torch.zeros(2 * B + 2, device=inp.device, dtype=torch.float64)
     loss_sums = torch.zeros(2, device=inp.device, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    for i in range(inp.rank, n, inp.world):
+    for i in picked[inp.rank :: inp.world]:
         item = truncate(src[i], cfg.max_seq_len)
         anchors = draw_anchors(item[1], cfg.val_num_anchors, cfg.seed + VAL_SEED_OFFSET, 0, i)
         if anchors.numel() == 0:
