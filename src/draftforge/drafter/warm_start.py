@@ -16,7 +16,6 @@ from draftforge.drafter.export import LAYER_KEYS
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.errors import StageError
 
-_LAYER_TENSORS = LAYER_KEYS  # one Qwen3 decoder layer's tensors, named as in HF and in the export
 _OPTIONAL = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 
 
@@ -63,11 +62,11 @@ def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: li
     source_layers = source_layers or default_source_layers(cfg.target_num_layers, cfg.num_hidden_layers)
     if len(source_layers) != cfg.num_hidden_layers:
         raise ValueError(f"init_from_target: {len(source_layers)} source layers for {cfg.num_hidden_layers} draft layers")
-    wanted = [f"model.layers.{src}.{t}" for src in source_layers for t in _LAYER_TENSORS]
+    wanted = [f"model.layers.{src}.{t}" for src in source_layers for t in LAYER_KEYS]
     found = read_tensors(hf_dir, wanted)
     params = dict(model.named_parameters())
     for i, src in enumerate(source_layers):
-        for t in _LAYER_TENSORS:
+        for t in LAYER_KEYS:
             name = f"model.layers.{src}.{t}"
             if name not in found:
                 if t in _OPTIONAL:

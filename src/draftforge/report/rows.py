@@ -16,8 +16,8 @@ COLUMNS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _rows_of(path: Path, engine: str) -> list[dict[str, Any]]:
-    data = read_json(path, what=f"{engine} results")
+def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
+    """The `rows` of one stage's loaded marker JSON (read from `path`), each with engine and status."""
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise StageError(f"{path}: expected a 'rows' list")
@@ -29,8 +29,10 @@ def _rows_of(path: Path, engine: str) -> list[dict[str, Any]]:
     return out
 
 
-def collect_rows(evaluate_json: Path, baselines_json: Path) -> list[dict[str, Any]]:
-    rows = _rows_of(evaluate_json, "draftforge") + _rows_of(baselines_json, "vllm")
+def collect_rows(evaluate_json: Path, baselines_json: Path, baselines: Any) -> list[dict[str, Any]]:
+    """Both engines' rows, sorted; `baselines` is the baselines marker already loaded from baselines_json."""
+    rows = _rows_of(read_json(evaluate_json, what="draftforge results"), evaluate_json, "draftforge")
+    rows += _rows_of(baselines, baselines_json, "vllm")
     return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], r["method"], _num(r.get("budget"), -1)))
 
 

@@ -87,7 +87,9 @@ def parity_text(parity: dict[str, Any]) -> list[str]:
 
 def build_report(ctx) -> dict[str, Any]:
     exp_dir = ctx.out_dir.parent
-    rows = collect_rows(exp_dir / "evaluate" / "evaluate.json", exp_dir / "baselines" / "baselines.json")
+    baselines_json = exp_dir / "baselines" / "baselines.json"
+    baselines = read_json(baselines_json, what="vllm results")  # rows and the parity block, read once
+    rows = collect_rows(exp_dir / "evaluate" / "evaluate.json", baselines_json, baselines)
     target = read_json(exp_dir / "target" / "target.json", what="target.json")
     train = read_json(exp_dir / "train" / "metrics.json", what="train metrics")
     curate = read_json(exp_dir / "curate" / "manifest.json", what="curate manifest")
@@ -104,7 +106,7 @@ def build_report(ctx) -> dict[str, Any]:
         f"- **{ds}**: DDTree budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} tok/s, τ {fmt(r.get('tau'))}, "
         f"speedup {fmt(r.get('speedup_vs_ar'))}× vs AR" for ds, r in sorted(best.items())
     ]  # fmt: skip
-    parity = read_json(exp_dir / "baselines" / "baselines.json", what="baselines results").get("parity") or {}
+    parity = (baselines.get("parity") if isinstance(baselines, dict) else None) or {}
     parity_lines = parity_text(parity)
     links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"))
     text = "\n".join([
