@@ -18,22 +18,11 @@ from omegaconf import DictConfig
 
 from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
-from draftforge.paths import STAGE_MARKERS, stage_dir, stage_marker, work_dir
+from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
+from draftforge.stages import STAGE_INPUTS
 
 log = logging.getLogger("draftforge")
-
-# Upstream stages each stage reads (their marker files are fingerprinted into provenance).
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "target": (),
-    "curate": ("target",),
-    "extract": ("target", "curate"),
-    "train": ("target", "extract"),
-    "evaluate": ("target", "train"),
-    "baselines": ("target", "train"),
-    "report": ("target", "curate", "extract", "train", "evaluate", "baselines"),
-}
-
 
 @dataclass
 class StageContext:
@@ -134,7 +123,7 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
     """Compose the config, run `main(ctx)`, turn StageError into one line + exit 2.
 
     Convention for `main`: write every output atomically; write the marker file
-    (paths.STAGE_MARKERS[stage]) last, so its presence means the stage finished.
+    (stages.STAGE_MARKERS[stage]) last, so its presence means the stage finished.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -152,5 +141,3 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
         print(f"draftforge {stage}: interrupted; rerun the same command to resume", file=sys.stderr)
         raise SystemExit(130) from None
 
-
-assert set(STAGE_INPUTS) == set(STAGE_MARKERS)

@@ -26,6 +26,7 @@ from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
+from draftforge.stages import STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
 from draftforge.train.config import TrainConfig
 
@@ -53,19 +54,6 @@ class RootConfig:
 
 ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
 
-# Config keys each stage's computation depends on (beyond its upstream files). Dotted keys name a
-# subsection: curate decontaminates against, and baselines runs on, the evaluate stage's prompt sets,
-# but neither depends on evaluate's methods or budgets.
-PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "evaluate.gsm_symbolic", "evaluate.chitchat")
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "target": ("target",),
-    "curate": ("target", "curate", *PROMPT_KEYS),
-    "extract": ("target", "extract"),
-    "train": ("target", "train"),
-    "evaluate": ("target", "evaluate"),
-    "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),
-    "report": ("report",),
-}
 
 
 def compose(

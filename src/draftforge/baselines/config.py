@@ -72,5 +72,3 @@ class BaselinesConfig:
     # Optional concurrency sweep: per method one more engine (max_num_seqs = max value) that runs c
     # simultaneous greedy requests for each c; aggregate tokens/s and τ. Empty = off (batch size 1 only).
     concurrency: List[int] = field(default_factory=list)
-    # Parity of vLLM-DFlash τ with our standalone DFlash τ (evaluate stage), relative tolerance.
-    parity_tolerance: float = 0.05

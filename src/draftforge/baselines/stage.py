@@ -2,7 +2,7 @@
 
 Outputs under results/<exp>/baselines/: `<method>.json` per method (rows, counters, per-prompt
 timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
-all rows, method statuses, parity block). Worker specs/results live in the work dir.
+all rows, method statuses; report checks parity against evaluate). Worker specs/results live in the work dir.
 A missing vLLM is a recorded skip with its reason in every row, never numbers.
 """
 
@@ -17,12 +17,12 @@ from tqdm import tqdm
 
 from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
-from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, parity_block, segment_summary
+from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
 from draftforge.errors import StageError
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,6 @@ def main(ctx: Any) -> None:
             record["concurrency"] = sweep[name]
         write_json(ctx.out_dir / f"{name}.json", record)
 
-    parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
     marker = {
         "engine": ENGINE,
         "target": info["name"],
@@ -202,7 +201,6 @@ def main(ctx: Any) -> None:
         "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
         "rows": all_rows,
         "concurrency_rows": [row for name in names for row in sweep.get(name, [])],
-        "parity": parity,
         "config": to_plain(b),
     }
     if ctx.is_rank0:

@@ -24,7 +24,7 @@ from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import eval_prompt_sets
 from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -29,10 +29,10 @@ def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
     return out
 
 
-def collect_rows(evaluate_json: Path, baselines_json: Path, baselines: Any) -> list[dict[str, Any]]:
-    """Both engines' rows, sorted; `baselines` is the baselines marker already loaded from baselines_json."""
+def collect_rows(evaluate_json: Path, baselines_json: Path) -> list[dict[str, Any]]:
+    """Both engines' rows (the evaluate and baselines markers), sorted by dataset, engine, method, budget."""
     rows = _rows_of(read_json(evaluate_json, what="draftforge results"), evaluate_json, "draftforge")
-    rows += _rows_of(baselines, baselines_json, "vllm")
+    rows += _rows_of(read_json(baselines_json, what="vllm results"), baselines_json, "vllm")
     return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], r["method"], _num(r.get("budget"), -1)))
 
 

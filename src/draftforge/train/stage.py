@@ -19,7 +19,7 @@ from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
 from draftforge.errors import StageError
 from draftforge.io import sha256_file, sha256_json, write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.stages import STAGE_MARKERS
 from draftforge.target.load import read_target_info
 from draftforge.train.checkpoint import load_best
 from draftforge.train.config import TrainConfig
