@@ -8,13 +8,8 @@ import pytest
 
 from draftforge.errors import StageError
 from draftforge.evaluate.config import EvaluateConfig
-from draftforge.evaluate.prompts import (
-    chitchat_is_heldout,
-    eval_prompt_sets,
-    file_prompts,
-    gsm_symbolic_seed_range,
-    load_prompt_set,
-)
+from draftforge.evaluate.prompts import eval_prompt_sets, file_prompts, load_prompt_set
+from draftforge.holdout import gsm_symbolic_seed_range
 
 
 def test_humaneval_and_chitchat_packaged():
@@ -27,14 +22,6 @@ def test_humaneval_and_chitchat_packaged():
     for msgs in chat:
         assert msgs[0]["role"] == "user" and msgs[-1]["role"] == "user" and len(msgs) % 2 == 1
     assert eval_prompt_sets(cfg, limit=3)["chitchat"] == chat[:3]
-
-
-def test_chitchat_heldout_is_deterministic_hash_bucket():
-    ids = [f"conv-{i}" for i in range(20000)]
-    held = [i for i in ids if chitchat_is_heldout(i, 300)]
-    assert 0.02 < len(held) / len(ids) < 0.04
-    assert held == [i for i in ids if chitchat_is_heldout(i, 300)]
-    assert not any(chitchat_is_heldout(i, 0) for i in ids[:100])
 
 
 def test_gsm_symbolic_heldout_seeds():

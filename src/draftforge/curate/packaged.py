@@ -6,7 +6,6 @@ functions of the Python standard library. Every adapter is deterministic for a g
 from __future__ import annotations
 
 import ast
-import hashlib
 import importlib.util
 import json
 import sysconfig
@@ -14,9 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from draftforge import holdout
 from draftforge.curate.config import SourceConfig
 from draftforge.curate.schema import Drop, Row, normalize_messages
 from draftforge.errors import StageError
+from draftforge.evaluate.config import EvaluateConfig
 
 Item = Row | Drop
 
@@ -28,15 +29,6 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _eval_opt(eval_cfg: Any, path: str, default: Any) -> Any:
-    node = eval_cfg
-    for key in path.split("."):
-        if node is None:
-            return default
-        node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
-    return default if node is None else node
-
-
 def _build(source: str, key: str, raw: list[dict[str, str]], min_chars: int) -> Item:
     try:
         return Row(id=f"{source}:{key}", source=source, messages=normalize_messages(raw, min_chars))
@@ -44,9 +36,9 @@ def _build(source: str, key: str, raw: list[dict[str, str]], min_chars: int) -> 
         return drop
 
 
-def chitchat_held_out(conv_id: str, holdout_per_10k: int) -> bool:
-    """Same rule as the evaluate stage's held-out chitchat slice (sha256 of the conversation id)."""
-    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:8], 16) % 10000 < holdout_per_10k
+def _evaluate_section(eval_cfg: Any) -> Any:
+    """The evaluate section whose held-out prompts training must not see (None → its defaults)."""
+    return EvaluateConfig() if eval_cfg is None else eval_cfg
 
 
 def iter_chitchat(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
@@ -54,11 +46,11 @@ def iter_chitchat(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[
     newline), first `max_turns` groups, ending on a user turn (the assistant turn is regenerated)."""
     path = _package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json"
     max_turns = int(src.options.get("max_turns", 3))
-    holdout = int(_eval_opt(eval_cfg, "chitchat.holdout_per_10k", 0))
+    holdout_per_10k = int(_evaluate_section(eval_cfg).chitchat.holdout_per_10k)
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     for conv_id, conv in data.items():
-        if holdout and chitchat_held_out(conv_id, holdout):
+        if holdout.chitchat_is_heldout(conv_id, holdout_per_10k):
             yield Drop("eval_holdout")
             continue
         groups = conv.get("messages") if isinstance(conv, dict) else None
@@ -101,18 +93,16 @@ def iter_chatterbot(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterato
 
 
 def iter_gsm_symbolic(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
-    """Item i of create_dataset(seed=s) is drawn from Random(s + i): training seeds [seed, seed + size)
-    must not meet the evaluation seeds [eval_seed, eval_seed + eval_size)."""
+    """Training seeds [seed, seed + size) must not meet the evaluation seeds (holdout.gsm_symbolic_seed_range)."""
     import reasoning_gym
 
     seed = int(src.options.get("seed", 0))
     size = int(src.options.get("size", 1000))
-    eval_seed = int(_eval_opt(eval_cfg, "gsm_symbolic.seed", 1_000_000_000))
-    eval_size = int(_eval_opt(eval_cfg, "gsm_symbolic.size", 200))
-    if seed < eval_seed + eval_size and eval_seed < seed + size:
+    held = holdout.gsm_symbolic_seed_range(_evaluate_section(eval_cfg))
+    if holdout.seed_ranges_overlap(range(seed, seed + size), held):
         raise StageError(
             f"curate.sources[{src.name}].options: seeds [{seed}, {seed + size}) overlap the evaluation seeds "
-            f"[{eval_seed}, {eval_seed + eval_size}) (evaluate.gsm_symbolic)"
+            f"[{held.start}, {held.stop}) (evaluate.gsm_symbolic)"
         )
     ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=size)
     for i in range(size):

