@@ -22,6 +22,7 @@ from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings,
 from draftforge.config import to_plain
 from draftforge.errors import StageError
 from draftforge.io import write_json
+from draftforge.runtime import cuda_device_count, device_kind
 from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,6 @@ def enabled_methods(bcfg: Any) -> list[str]:
     if not names:
         raise StageError("baselines.methods: every method is disabled")
     return sorted(names, key=lambda n: n != "ar")
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def vllm_missing_reason() -> str | None:
@@ -154,7 +147,7 @@ def main(ctx: Any) -> None:
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
-    device = resolve_device(str(b.device))
+    device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
     settings = resolve_settings(b, info, device, longest, max_new)
     env = worker_env(device, settings.in_process_engine)
     log.info("baselines: methods %s on %s; %d prompts/dataset over %s; max_new_tokens %d; device %s",

@@ -6,6 +6,7 @@ functions of the Python standard library. Every adapter is deterministic for a g
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import json
 import sysconfig

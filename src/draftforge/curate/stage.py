@@ -30,7 +30,8 @@ from draftforge.curate.regenerate import (
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
-from draftforge.curate.tokenize import end_of_turn_ids, prompt_ids, special_strings, tokenize_conversation
+from draftforge.chat import prompt_ids
+from draftforge.curate.tokenize import end_of_turn_ids, special_strings, tokenize_conversation
 from draftforge.curate.writer import ShardWriter, TokenStats
 from draftforge.errors import StageError
 from draftforge.io import atomic_path, read_json, sha256_json, write_json

@@ -9,7 +9,6 @@ last (the marker). Shards stay in the work area, so a rerun after a failure resu
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 from pathlib import Path
@@ -25,9 +24,9 @@ from draftforge.extract.plan import plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
 from draftforge.extract.runner import TargetView, read_done, run_rank
 from draftforge.io import read_json, write_json
+from draftforge.runtime import dtype_named, init_distributed, pick_device
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Dist:
@@ -35,11 +34,7 @@ class Dist:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_min: int) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.active = world_size > 1
-        if self.active and not torch_dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-            torch_dist.init_process_group(backend, timeout=dt.timedelta(minutes=timeout_min), **kw)
+        self.active = init_distributed(world_size, device, timeout_min)
 
     def barrier(self) -> None:
         if self.active:
@@ -58,26 +53,9 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
-def pick_device(cfg, local_rank: int) -> torch.device:
-    want = cfg.device
-    if want not in ("auto", "cpu", "cuda"):
-        raise StageError(f"extract.device={want!r}: use auto, cpu or cuda")
-    if want == "cuda" or (want == "auto" and cfg.gpus > 0):
-        if not torch.cuda.is_available():
-            if want == "cuda":
-                raise StageError("extract.device=cuda: no CUDA device visible")
-            log.warning("extract.gpus=%d but no CUDA device is visible: extracting on CPU", cfg.gpus)
-            return torch.device("cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def compute_dtype(cfg, info: dict[str, Any], device: torch.device) -> torch.dtype:
     name = cfg.compute_dtype or (info.get("dtype") or "bfloat16" if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise StageError(f"extract.compute_dtype={name!r}: use one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return dtype_named("extract.compute_dtype", name)
 
 
 def attn_impl(cfg, device: torch.device) -> str:
@@ -110,7 +88,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     if not taps or sorted(set(taps)) != taps or taps[0] < 0 or taps[-1] >= int(info["num_layers"]):
         raise StageError(f"{target_json}: drafter.target_layer_ids {taps} must be strictly increasing ids "
                          f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip
-    device = pick_device(cfg, ctx.local_rank)
+    device = pick_device("extract.device", cfg.device, cfg.gpus, ctx.local_rank)
     dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
     plan = plan_extraction(
         ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,

@@ -8,7 +8,6 @@ simulated acceptance length (the last one when there is no val split).
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -17,8 +16,8 @@ from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
-from draftforge.errors import StageError
 from draftforge.io import sha256_file, sha256_json, write_json
+from draftforge.runtime import init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
 from draftforge.target.load import read_target_info
 from draftforge.train.checkpoint import load_best
@@ -28,24 +27,6 @@ from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loop import TrainInputs, compute_dtype, train
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    want = cfg.device
-    if want == "auto":
-        want = "cuda" if (cfg.gpus > 0 and torch.cuda.is_available()) else "cpu"
-    if want == "cuda":
-        if not torch.cuda.is_available():
-            raise StageError("train.device=cuda: no CUDA device visible")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_distributed(ctx, device: torch.device, timeout_min: int) -> None:
-    if ctx.world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
 
 
 def train_config(ctx) -> TrainConfig:
@@ -60,8 +41,8 @@ def main(ctx) -> None:
     info = read_target_info(ctx.input_marker("target"))
     index_path = ctx.input_marker("extract")
     dcfg = DFlashConfig.from_target(info)
-    device = pick_device(cfg, ctx.local_rank)
-    init_distributed(ctx, device, cfg.dist_timeout_min)
+    device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
+    init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
     try:
         dtype = compute_dtype(cfg, device)
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
