@@ -72,8 +72,8 @@ def compose(
         # `+key=value` overrides slip past Hydra's struct check: re-validate against the schema.
         cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.create(OmegaConf.to_container(cfg)))
         OmegaConf.set_struct(cfg, True)
-        _check_values(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
+        OmegaConf.to_object(cfg)  # builds every dataclass: their __post_init__ checks the values
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:
         message = _explain(exc)
         raise ConfigError(f"config (experiment={experiment}, overrides={list(overrides)}): {message}") from None
     finally:
@@ -91,13 +91,6 @@ def _explain(exc: BaseException) -> str:
             parts.append(text)
         seen = seen.__cause__ or seen.__context__
     return ": ".join(parts)
-
-
-def _check_values(cfg: DictConfig) -> None:
-    from draftforge.target.config import TARGET_SOURCES
-
-    if cfg.target.source not in TARGET_SOURCES:
-        raise ConfigError(f"target.source: {cfg.target.source!r} is not one of {TARGET_SOURCES}")
 
 
 def to_plain(node: Any) -> Any:

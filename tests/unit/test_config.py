@@ -44,6 +44,10 @@ def test_every_experiment_and_target_composes(experiment: str, target: str) -> N
         ("target.drafter.n_taps=five", "target.drafter.n_taps"),
         ("target=no-such-target", "no-such-target"),
         ("target.source=ftp", "target.source"),
+        ("evaluate.budgets=[0]", "evaluate.budgets"),
+        ("curate.sources=[]", "curate.sources"),
+        ("baselines.concurrency=[0]", "baselines.concurrency"),
+        ("extract.storage_dtype=int4", "extract.storage_dtype"),
     ],
 )
 def test_bad_config_names_the_key(override: str, named: str) -> None:

@@ -90,3 +90,16 @@ def test_every_stage_reads_what_the_table_declares() -> None:
         inputs = re.search(r"input: (.*)", block)
         declared = [Path(p).parent.name for p in inputs.group(1).split(", ")] if inputs else []
         assert declared == list(stage.inputs), stage.name
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("evaluate.budgets=[0]", "evaluate.budgets"), ("train.device=tpu", "train.device"),
+     ("evaluate.chitchat.holdout_per_10k=-1", "evaluate.chitchat.holdout_per_10k")],
+)  # fmt: skip
+def test_a_bad_value_fails_the_dry_run_naming_the_key(tmp_path: Path, override: str, named: str) -> None:
+    cmd = [SNAKEMAKE, "-n", "--cores", "1", "--config", f"results_root={tmp_path}", f'overrides=["{override}"]']
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ})
+    assert result.returncode != 0
+    assert f"{named}: " in result.stdout + result.stderr
+    assert "Job stats" not in result.stdout  # nothing was planned, let alone run

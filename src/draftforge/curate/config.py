@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from draftforge.errors import check
+
 SOURCE_KINDS = (
     "jsonl", "parquet", "hf_disk",  # generic files; records in ShareGPT, OpenAI or prompt/response form
     "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code",  # packaged default-world corpora
@@ -42,6 +44,10 @@ class FilterConfig:
     on_empty_source: str = "error"
     # What a malformed record (bad JSON line, missing fields) does: "drop" (counted) or "error".
     on_malformed: str = "drop"
+
+    def __post_init__(self) -> None:
+        check(self.on_empty_source in ("error", "warn"), "curate.filters.on_empty_source", f"{self.on_empty_source!r}: use error or warn")
+        check(self.on_malformed in ("drop", "error"), "curate.filters.on_malformed", f"{self.on_malformed!r}: use drop or error")
 
 
 @dataclass
@@ -84,6 +90,10 @@ class RegenerateConfig:
     vllm_max_model_len: int = 1024
     vllm_max_num_seqs: int = 64
 
+    def __post_init__(self) -> None:
+        check(self.backend in ("auto", "vllm", "hf"), "curate.regenerate.backend", f"{self.backend!r}: use auto, vllm or hf")
+        check(self.truncated in ("drop", "keep"), "curate.regenerate.truncated", f"{self.truncated!r}: use drop or keep")
+
 
 def default_world_sources() -> list[SourceConfig]:
     """Four packaged real sources: 2.3K selected prompts → ≥ 2K regenerated training rows on 2 CPU cores."""
@@ -116,3 +126,10 @@ class CurateConfig:
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     options: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(bool(self.sources), "curate.sources", "empty; list at least one source")
+        names = [s.name for s in self.sources]
+        check(len(set(names)) == len(names), "curate.sources", f"names must be unique, got {names}")
+        check(0 <= self.val_fraction < 1, "curate.val_fraction", f"{self.val_fraction} must be in [0, 1)")
+        check(self.mask_turns in ("last", "all"), "curate.mask_turns", f"{self.mask_turns!r}: use last or all")

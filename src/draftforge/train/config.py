@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from draftforge.errors import check
+
 
 @dataclass
 class TrainConfig:
@@ -42,3 +44,13 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.gpus >= 0, "train.gpus", f"{self.gpus} must be >= 0")
+        check(self.cpu_procs >= 1, "train.cpu_procs", f"{self.cpu_procs} must be >= 1")
+        check(self.device in ("auto", "cpu", "cuda"), "train.device", f"{self.device!r}: use one of auto, cpu, cuda")
+        check(self.lr > 0, "train.lr", f"{self.lr} must be > 0")
+        check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}: use -1 (all epochs) or >= 1")
+        check(self.batch_seqs >= 1, "train.batch_seqs", f"{self.batch_seqs} must be >= 1")
+        check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
+        check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
