@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftforge.drafter.attention import build_mask, resolve_impl  # noqa: E402
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
+from draftforge.train import loss as loss_mod  # noqa: E402
 from draftforge.train.data import collate  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
-from draftforge.train import loss as loss_mod  # noqa: E402
 from draftforge.train.loss import block_losses, slot_weights  # noqa: E402
 
 PEAK_BF16 = 989e12

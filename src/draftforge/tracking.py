@@ -79,15 +79,7 @@ class RunLogger:
         items = list(flatten(params).items())
         for i in range(0, len(items), 90):  # MLflow caps a params batch at 100
             chunk = dict(items[i : i + 90])
-            with_retries(lambda: mlflow.log_params(chunk, run_id=self.run_id))
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if not self.active:
-            return
-        import mlflow
-
-        for key, value in tags.items():
-            with_retries(lambda: mlflow.set_tag(key, str(value)))
+            with_retries(lambda: mlflow.log_params(chunk, run_id=self.run_id))  # noqa: B023 (called at once)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if not self.active:

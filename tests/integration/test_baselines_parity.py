@@ -17,13 +17,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
-
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.io import write_json  # noqa: E402
 from draftforge.report.parity import parity_block  # noqa: E402
 from draftforge.report.rows import collect_rows  # noqa: E402
+from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 if __import__("importlib.util").util.find_spec("vllm") is None:

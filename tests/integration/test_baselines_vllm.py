@@ -16,7 +16,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, save_bigram_llama  # noqa: E402
-
 from draftforge.baselines import metrics as M  # noqa: E402
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402

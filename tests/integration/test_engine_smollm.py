@@ -25,10 +25,10 @@ def smollm():
 
 
 def test_smollm_engine_lossless(smollm):
+    from draftforge.chat import prompt_ids
     from draftforge.drafter.config import DFlashConfig
     from draftforge.drafter.model import DFlashDrafter
     from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, wrap_target
-    from draftforge.chat import prompt_ids
 
     info, model, tok = smollm
     threads = torch.get_num_threads()

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evaluate_fixtures import tiny_pipeline  # noqa: E402
-
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
+from evaluate_fixtures import tiny_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ROW_KEYS = {"dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",

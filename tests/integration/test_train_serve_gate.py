@@ -14,10 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
-
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
+from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -11,12 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, plain_cfg  # noqa: E402
-
 from draftforge.baselines import metrics as M  # noqa: E402
 from draftforge.baselines.rows import add_comparisons, method_rows  # noqa: E402
-from draftforge.report.parity import parity_block  # noqa: E402
 from draftforge.baselines.spec import plan_method, resolve_settings, worker_spec  # noqa: E402
 from draftforge.errors import StageError  # noqa: E402
+from draftforge.report.parity import parity_block  # noqa: E402
 
 
 # Same shapes as vllm.v1.metrics.reader's dataclasses (matched by class name / attributes).

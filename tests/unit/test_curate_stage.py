@@ -56,8 +56,7 @@ class _Interrupt(KeyboardInterrupt):
 
 
 def test_resume_after_interrupted_regeneration_equals_uninterrupted(tmp_path, tiny_target_info):
-    from draftforge.target.load import load_target_model
-    from draftforge.target.load import load_tokenizer
+    from draftforge.target.load import load_target_model, load_tokenizer
 
     full = make_ctx(tmp_path / "full", tiny_target_info, _sources(tmp_path))
     curate_stage.main(full)

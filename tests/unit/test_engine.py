@@ -12,14 +12,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
-
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, sample, wrap_target  # noqa: E402
 from draftforge.engine.loops import _DraftState, _tree_round  # noqa: E402
 from draftforge.engine.target import KVCache, forward  # noqa: E402
 from draftforge.engine.timing import Clock  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
+from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import make_inputs, synthetic_items  # noqa: E402
-
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
+from train_fixtures import make_inputs, synthetic_items  # noqa: E402
 
 
 def cfg_for(**kw) -> TrainConfig:

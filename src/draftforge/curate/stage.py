@@ -26,7 +26,13 @@ from draftforge.chat import prompt_ids
 from draftforge.curate.config import CurateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
-    HFBackend, RegenStats, VLLMBackend, choose_backend, iter_chunks, read_chunk, run_regeneration,
+    HFBackend,
+    RegenStats,
+    VLLMBackend,
+    choose_backend,
+    iter_chunks,
+    read_chunk,
+    run_regeneration,
 )  # fmt: skip
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows

@@ -221,6 +221,3 @@ class DFlashDrafter(nn.Module):
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
             h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, mask, impl)
         return self.norm(h)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())

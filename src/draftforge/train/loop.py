@@ -24,7 +24,16 @@ from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
 from draftforge.train.config import TrainConfig
-from draftforge.train.data import Batch, FeatureSource, Prefetcher, collate, draw_anchors, epoch_order, rank_share, truncate
+from draftforge.train.data import (
+    Batch,
+    FeatureSource,
+    Prefetcher,
+    collate,
+    draw_anchors,
+    epoch_order,
+    rank_share,
+    truncate,
+)
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import block_losses, compile_loss, slot_stats, slot_weights, summarize
 

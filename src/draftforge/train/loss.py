@@ -80,7 +80,6 @@ def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor) -> torch.Tensor:
     prefix lengths over blocks, number of blocks]. Simulated acceptance of a block = 1 + length of
     the prefix of slots 1..B-1 whose argmax is right (an invalid slot ends the prefix).
     """
-    B = out.valid.shape[-1]
     correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
     valid_per_slot = out.valid.sum(dim=(0, 1)).float()
     prefix = torch.cumprod(out.correct[..., 1:].long(), dim=-1).sum(-1).float()  # (S, N)
