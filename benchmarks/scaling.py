@@ -1,4 +1,4 @@
-"""Scaling of `extract` and `train` on N GPUs vs 1 GPU with the same per-GPU work (issue 9).
+"""Scaling of `extract` and `train` on N GPUs vs 1 GPU with the same per-GPU work.
 
 Runs both stages through the project's own Snakemake rules (`resources: gpu=N`, torchrun inside the
 rule) on a random-weight Qwen3-8B-shaped target (conf/experiment/scale.yaml; no download), first with

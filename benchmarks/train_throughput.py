@@ -1,4 +1,4 @@
-"""DFlash drafter training throughput and MFU (issue 5 GPU benchmark).
+"""DFlash drafter training throughput and MFU (GPU benchmark).
 
 Default: Qwen3-8B-shaped drafter (5 layers, H 4096, 32 heads / 8 KV, head_dim 128, MLP 12288, 5 taps),
 frozen bf16 LM head + embeddings (vocab 151936), 512 anchors x block 16 on a 3072-token context of

@@ -1,4 +1,4 @@
-"""Parity (issue 7): vLLM-DFlash τ with OUR trained drafter vs our standalone DFlash τ, same prompt, T=0.
+"""Parity (docs/architecture.md, "The stage table"): vLLM-DFlash τ with OUR trained drafter vs our standalone DFlash τ, same prompt, T=0.
 
 A drafter is overfit on the first evaluation prompt's greedy continuation (train loop of the train
 stage), exported in vLLM's dflash layout, and decoded by both engines: our engine

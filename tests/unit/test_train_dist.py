@@ -1,4 +1,4 @@
-"""Distributed and resume behaviour of the training loop (issue 5 "Done when").
+"""Distributed and resume behaviour of the training loop (resume and rank-count invariance).
 
 - 2 gloo processes sharing a global batch follow the 1-process loss curve (same data, same
   normalization) within float tolerance.

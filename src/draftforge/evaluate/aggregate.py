@@ -1,4 +1,4 @@
-"""Per-response records → one row per (dataset, temperature, method, budget) (metric definitions: DESIGN §5).
+"""Per-response records → one row per (dataset, temperature, method, budget) (metrics: docs/architecture.md, "Decoding and metrics").
 
 - tokens_per_s: decode tokens / decode seconds summed over responses (prefill, TTFT and the draft's
   first context prefill excluded); tpot_ms: mean per-response decode time per decode token.

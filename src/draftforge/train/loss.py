@@ -1,4 +1,4 @@
-"""Decayed block cross-entropy and the acceptance metrics (DESIGN.md §4, training objective).
+"""Decayed block cross-entropy and the acceptance metrics (docs/architecture.md, "Drafter and training objective").
 
 Slot k (1..B-1) of a block predicts the token at anchor+k with weight w_k = exp(-(k-1)/gamma);
 slot 0 (the anchor itself) and unsupervised / out-of-sequence slots do not count. The loss is
