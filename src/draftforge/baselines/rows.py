@@ -12,16 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from draftforge.baselines.metrics import acceptance, check_consistency, delta, timing_summary
+from draftforge.rows import Row, new_row
 
 ENGINE = "vllm"
-ROW_KEYS = ("dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
-            "speedup_vs_ar", "lossless_mismatches", "n_prompts")  # fmt: skip
 
 
-def empty_row(method: str, dataset: str, temperature: float, status: str, reason: str | None) -> dict[str, Any]:
-    row: dict[str, Any] = {k: None for k in ROW_KEYS}
-    row.update(dataset=dataset, method=method, engine=ENGINE, temperature=float(temperature), status=status, reason=reason)
-    return row
+def empty_row(method: str, dataset: str, temperature: float, status: str, reason: str | None) -> Row:
+    return new_row(dataset, method, ENGINE, temperature, status=status, reason=reason)
 
 
 def segment_summary(segment: Mapping[str, Any]) -> dict[str, Any]:

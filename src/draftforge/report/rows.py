@@ -8,12 +8,10 @@ from typing import Any
 
 from draftforge.errors import StageError
 from draftforge.io import read_json
+from draftforge.rows import ROW_KEYS
 
 # One row per dataset × method × budget; the columns of summary.csv in this order.
-COLUMNS: tuple[str, ...] = (
-    "dataset", "engine", "method", "budget", "temperature", "n_prompts", "tokens_per_s", "tpot_ms",
-    "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches", "status",
-)  # fmt: skip
+COLUMNS: tuple[str, ...] = ROW_KEYS
 
 
 def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
