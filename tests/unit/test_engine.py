@@ -196,21 +196,25 @@ def _exact_joint(tm, p: list[int], n_tok: int, temperature: float) -> dict[tuple
 
 
 @pytest.mark.parametrize(
-    "method,temperature",
+    "method,temperature,arch",
     [
-        ("ddtree", 1.0),
-        pytest.param("ddtree", 0.7, marks=pytest.mark.integration),  # slower variants: integration runs
-        pytest.param("dflash", 1.0, marks=pytest.mark.integration),
+        ("ddtree", 1.0, "Qwen3ForCausalLM"),
+        ("ddtree", 1.0, "Qwen3_5ForCausalLM"),  # hybrid: tree verification through GDN layers
+        pytest.param("ddtree", 0.7, "Qwen3ForCausalLM", marks=pytest.mark.integration),  # slower variants
+        pytest.param("dflash", 1.0, "Qwen3ForCausalLM", marks=pytest.mark.integration),
     ],
 )
-def test_sampling_matches_target_distribution(method, temperature):
+def test_sampling_matches_target_distribution(method, temperature, arch):
     """First 3 tokens at T>0 on a 4-token vocabulary: Pearson chi-square vs the exact joint (64 cells).
 
     Tolerance: reject at α = 1e-3 (z = 3.09, Wilson–Hilferty critical value); seeded, so the test is
     deterministic. A negative control (the same samples against the T=0.4 joint) must be rejected.
     """
-    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
-                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
+    hybrid = arch == "Qwen3_5ForCausalLM"  # 2 GDN layers + 1 attention layer
+    spec = RandomTargetConfig(architecture=arch, vocab_size=4, hidden_size=32, intermediate_size=64,
+                              num_layers=3 if hybrid else 2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3,
+                              full_attention_interval=3, linear_num_key_heads=1, linear_num_value_heads=2,
+                              linear_key_head_dim=8, linear_value_head_dim=8)
     model = build_random_model(spec)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.12)  # flatter next-token distributions than the default init

@@ -13,7 +13,7 @@ anc*(i) its ancestors including itself, unrolling the recurrence along each root
     S(m) = e^(G_m) S₀ + Σ_{j ∈ anc*(m)} e^(G_m − G_j) k_j Δ_jᵀ        (state after the path ending at m)
 (I + A) is unit lower-triangular in topological order, so one triangular solve gives Δ: no per-node
 states. A chain is the one-path tree (A restricted to the causal triangle), which is also how a long
-prompt is prefilled, chunk by chunk. All of it runs in fp32.
+prompt is prefilled, chunk by chunk. All of it runs in fp32 (or the model's dtype if wider).
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def tree_conv(conv_in: torch.Tensor, conv_state: torch.Tensor, weight: torch.Ten
     return F.silu(torch.einsum("nkc,ck->nc", taps.to(weight.dtype), weight)).to(conv_in.dtype)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrence runs in fp32 (fp64 for an fp64 model, as exactness tests use)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -105,8 +110,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def qkv_gates(mixer: nn.Module, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
     """conv_out (n, C) → q, k (Hv, n, dk) fp32 normalised (q scaled), v (Hv, n, dv), g, β (Hv, n) fp32."""
     n = conv_out.shape[0]
+    ct = compute_dtype(conv_out.dtype)
     kd, vd = mixer.num_k_heads * mixer.head_k_dim, mixer.num_v_heads * mixer.head_v_dim
-    q, k, v = torch.split(conv_out.float(), [kd, kd, vd], dim=-1)
+    q, k, v = torch.split(conv_out.to(ct), [kd, kd, vd], dim=-1)
     q = q.view(n, mixer.num_k_heads, mixer.head_k_dim)
     k = k.view(n, mixer.num_k_heads, mixer.head_k_dim)
     rep = mixer.num_v_heads // mixer.num_k_heads
@@ -115,8 +121,8 @@ def qkv_gates(mixer: nn.Module, conv_out: torch.Tensor, b: torch.Tensor, a: torc
     q = _l2norm(q) * mixer.head_k_dim**-0.5
     k = _l2norm(k)
     v = v.view(n, mixer.num_v_heads, mixer.head_v_dim)
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias.float())  # (n, Hv)
-    beta = b.float().sigmoid()
+    g = -mixer.A_log.to(ct).exp() * F.softplus(a.to(ct) + mixer.dt_bias.to(ct))  # (n, Hv)
+    beta = b.to(ct).sigmoid()
     return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftforge.engine.gdn import VerifyScratch, commit_path
+from draftforge.engine.gdn import VerifyScratch, commit_path, compute_dtype
 
 if TYPE_CHECKING:
     from draftforge.engine.target import TargetModel
@@ -35,7 +35,7 @@ class TargetState:
         conv_dim = g.conv_dim if g else 0
         self.conv = torch.zeros(n_gdn, (g.conv_kernel - 1) if g else 0, conv_dim, device=dev, dtype=dt)
         self.rec = torch.zeros(n_gdn, g.num_v_heads if g else 0, g.head_k_dim if g else 0,
-                               g.head_v_dim if g else 0, device=dev, dtype=torch.float32)
+                               g.head_v_dim if g else 0, device=dev, dtype=compute_dtype(dt))
         self.capacity = capacity
         self.length = 0
         self.pending = 0  # rows written by the last span and not yet committed
