@@ -105,7 +105,7 @@ def main(ctx) -> None:
 
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
-    plan = method_plan(cfg.methods, cfg.budgets, bool(info.get("hybrid_attention")), info.get("name", ""))
+    plan = method_plan(cfg.methods, cfg.budgets)
     if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
         raise StageError(f"evaluate.temperatures: {cfg.temperatures} must be a non-empty list of values >= 0")
     if cfg.max_new_tokens < 1:

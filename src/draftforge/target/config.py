@@ -68,7 +68,7 @@ class TargetConfig:
     architecture: Optional[str] = None  # expected architecture (checked when set)
     num_layers: Optional[int] = None  # expected layer count (checked when set)
     mtp_layers: int = 0  # MTP layers the checkpoint is expected to carry
-    hybrid_attention: bool = False  # linear-attention layers present (DDTree unsupported)
+    hybrid_attention: bool = False  # Gated-DeltaNet (linear-attention) layers present
     drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
     random: Optional[RandomTargetConfig] = None
 
