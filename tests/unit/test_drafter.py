@@ -189,3 +189,34 @@ def test_warm_start_copies_target_layers(tiny_target_info):
     src = read_tensors(tiny_target_info["hf_path"], [f"model.layers.{used[0]}.mlp.up_proj.weight"])
     assert torch.equal(m.layers[0].mlp.up_proj.weight, next(iter(src.values())))
     assert torch.equal(m.norm.weight, read_tensors(tiny_target_info["hf_path"], ["model.norm.weight"])["model.norm.weight"])
+
+
+def test_warm_start_from_a_hybrid_target_uses_attention_layers_and_its_conventions(tmp_path):
+    """Qwen3.5: sources are full-attention layers; the draft reproduces their (ungated) queries and norms."""
+    import yaml
+
+    from draftforge.drafter.warm_start import init_from_target
+    from draftforge.target.config import RandomTargetConfig
+    from draftforge.target.random import build_random_model, save_random_target
+
+    conf = yaml.safe_load(open("conf/target/tiny-hybrid-random.yaml"))
+    spec = RandomTargetConfig(**{**conf["random"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 16})
+    folder = save_random_target(spec, tmp_path / "hybrid")
+    with torch.no_grad():  # zero-centred norms are zeros at init: give them values so the 1 + w rule is seen
+        model = build_random_model(spec)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+        model.save_pretrained(folder)
+    cfg = small_cfg(num_hidden_layers=2, target_num_layers=8, intermediate_size=96)
+    m = DFlashDrafter(cfg)
+    assert init_from_target(m, folder) == [3, 7]  # the two attention layers (3 GDN : 1 attention)
+    attn, layer = model.model.layers[7].self_attn, model.model.layers[7]
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        q_target = attn.q_norm(attn.q_proj(x).view(1, 5, 4, 32)[..., :16])  # the query half, per head
+        q_draft = m.layers[1].self_attn.q_norm(m.layers[1].self_attn.q_proj(x).view(1, 5, 4, 16))
+        torch.testing.assert_close(q_draft, q_target, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.layers[1].input_layernorm(x), layer.input_layernorm(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.norm(x), model.model.norm(x), rtol=1e-5, atol=1e-5)
