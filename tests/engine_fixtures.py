@@ -11,10 +11,19 @@ from draftforge.target.config import RandomTargetConfig
 from draftforge.target.random import build_random_model
 
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 
 def tiny_target(arch: str = "LlamaForCausalLM", vocab: int = 96, seed: int = 0, layers: int = 4,
                 taps: tuple[int, ...] = (0, 2)) -> TargetModel:
+    spec = RandomTargetConfig(architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                              num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
+    return wrap_target(build_random_model(spec), taps)
+
+
+def tiny_hybrid_target(arch: str = "Qwen3_5ForCausalLM", vocab: int = 96, seed: int = 0, layers: int = 8,
+                       taps: tuple[int, ...] = (1, 3, 5)) -> TargetModel:
+    """8 layers, 3 Gated DeltaNet : 1 gated attention (Qwen3.5 text or Qwen3-Next with MoE MLPs)."""
     spec = RandomTargetConfig(architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=128,
                               num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
     return wrap_target(build_random_model(spec), taps)

@@ -13,9 +13,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, sample, wrap_target  # noqa: E402
-from draftforge.engine.loops import _DraftState, _tree_round  # noqa: E402
-from draftforge.engine.target import KVCache, forward  # noqa: E402
-from draftforge.engine.timing import Clock  # noqa: E402
+from draftforge.engine.loops import verify_round  # noqa: E402
+from draftforge.engine.methods import Features, make_method  # noqa: E402
+from draftforge.engine.span import chain_span  # noqa: E402
+from draftforge.engine.state import CapacityError, TargetState  # noqa: E402
+from draftforge.engine.target import forward  # noqa: E402
+from draftforge.engine.timing import StageTimer  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
 from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
@@ -35,10 +38,10 @@ def test_wrapper_matches_hf_logits_and_taps(arch):
     tm = tiny_target(arch, seed=1, taps=(0, 2))
     ids = torch.tensor([prompt(tm.vocab_size, 9)])
     ref = tm.hf(ids, output_hidden_states=True)
-    cache = KVCache(tm, 2)  # forces growth
-    h1, t1 = forward(tm, cache, ids[:, :5], torch.arange(5), "causal", True)
-    h2, t2 = forward(tm, cache, ids[:, 5:], torch.arange(5, 9), "causal", True)
-    assert cache.length == 9
+    state = TargetState(tm, 9)
+    h1, t1 = forward(tm, state, chain_span(ids[:, :5], 0, tm.dtype, True), True)
+    h2, t2 = forward(tm, state, chain_span(ids[:, 5:], 5, tm.dtype, True), True)
+    assert state.length == 9
     torch.testing.assert_close(tm.lm_head(torch.cat([h1, h2], 1)), ref.logits, atol=1e-4, rtol=1e-4)
     hs = ref.hidden_states  # layer id L = output of decoder layer L = hidden_states[L + 1]
     torch.testing.assert_close(torch.cat([t1, t2], 1), torch.cat([hs[1], hs[3]], -1), atol=2e-4, rtol=2e-4)
@@ -55,20 +58,23 @@ def test_ar_equals_hf_greedy_generate(arch):
     assert res.ttft_s > 0 and res.decode_s > 0 and res.n_decode == 23
 
 
-def test_kv_cache_crop_compact():
+def test_state_commit_compacts_path_rows_and_refuses_overflow():
     tm = tiny_target(seed=0)
-    cache = KVCache(tm, 8)
-    forward(tm, cache, torch.tensor([prompt(tm.vocab_size, 8)]), torch.arange(8))
-    before = [k.clone() for k in cache.k]
-    cache.compact(torch.tensor([3, 5, 6]), 3)
-    assert cache.length == 6
-    for k, old in zip(cache.k, before):  # views of the one buffer
-        torch.testing.assert_close(k[:, :, :3], old[:, :, :3])
-        torch.testing.assert_close(k[:, :, 3:6], old[:, :, [3, 5, 6]])
-    cache.crop(2)
-    assert cache.length == 2
+    state = TargetState(tm, 12)
+    forward(tm, state, chain_span(torch.tensor([prompt(tm.vocab_size, 3)]), 0, tm.dtype, True))
+    forward(tm, state, chain_span(torch.tensor([prompt(tm.vocab_size, 5, seed=1)]), 3, tm.dtype, False))
+    assert state.length == 3 and state.pending == 5
+    before = state.kv.clone()
+    state.commit(torch.tensor([0, 2, 3]))
+    assert state.length == 6
+    torch.testing.assert_close(state.kv[..., :3, :], before[..., :3, :])
+    torch.testing.assert_close(state.kv[..., 3:6, :], before[..., [3, 5, 6], :])
+    state.crop(2)
+    assert state.length == 2
     with pytest.raises(ValueError):
-        cache.crop(3)
+        state.crop(3)
+    with pytest.raises(CapacityError, match="capacity of 12"):
+        forward(tm, state, chain_span(torch.tensor([prompt(tm.vocab_size, 11)]), 2, tm.dtype, True))
 
 
 def test_sample_rule():
@@ -143,25 +149,25 @@ def test_compaction_equals_recomputing_the_accepted_path(arch):
         tm = tiny_target(arch, vocab=8, seed=seed)
         drafter = tiny_drafter(tm, seed=seed, block=6)
         p = [4, 2, 6, 1, 7]
-        cache = KVCache(tm, 64)
-        h, taps = forward(tm, cache, torch.tensor([p]), torch.arange(len(p)), "causal", True)
+        state = TargetState(tm, 256)
+        h, taps = forward(tm, state, chain_span(torch.tensor([p]), 0, tm.dtype, True), True)
         bonus = int(tm.lm_head(h[0, -1]).argmax())
-        state = _DraftState(drafter, tm, taps)
-        dlogits = state.draft_logits(bonus, len(p))
-        committed, new_bonus, _, _ = _tree_round(tm, cache, state, dlogits, bonus, len(p), 0.0, None, Clock("cpu"), 200)
+        method = make_method("ddtree", tm, drafter, 200)
+        method.begin(Features(taps, h))
+        drafted = method.draft(bonus, len(p))
+        rnd = verify_round(tm, state, method, drafted, bonus, 0.0, None, StageTimer("cpu", ("build", "verify", "commit")))
+        committed, new_bonus = rnd.committed, rnd.bonus
         if len(committed) >= 3:
             break
     assert len(committed) >= 3, "want a multi-node accepted path"
-    ref = KVCache(tm, 64)
+    ref = TargetState(tm, 64)
     seq = p + committed
-    _, ref_taps = forward(tm, ref, torch.tensor([seq]), torch.arange(len(seq)), "causal", True)
-    assert cache.length == ref.length == len(seq)
-    for k, v, rk, rv in zip(cache.k, cache.v, ref.k, ref.v):
-        torch.testing.assert_close(k[:, :, : len(seq)], rk[:, :, : len(seq)], atol=2e-4, rtol=2e-4)
-        torch.testing.assert_close(v[:, :, : len(seq)], rv[:, :, : len(seq)], atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(state.pending, ref_taps[:, len(p):], atol=2e-4, rtol=2e-4)  # new draft context
-    h_next, _ = forward(tm, cache, torch.tensor([[new_bonus]]), torch.tensor([len(seq)]), None)
-    h_ref, _ = forward(tm, ref, torch.tensor([[new_bonus]]), torch.tensor([len(seq)]), None)
+    _, ref_taps = forward(tm, ref, chain_span(torch.tensor([seq]), 0, tm.dtype, True), True)
+    assert state.length == ref.length == len(seq)
+    torch.testing.assert_close(state.kv[..., : len(seq), :], ref.kv[..., : len(seq), :], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(method.ctx.pending, ref_taps[:, len(p):], atol=2e-4, rtol=2e-4)  # new draft context
+    h_next, _ = forward(tm, state, chain_span(torch.tensor([[new_bonus]]), len(seq), tm.dtype, True))
+    h_ref, _ = forward(tm, ref, chain_span(torch.tensor([[new_bonus]]), len(seq), tm.dtype, True))
     torch.testing.assert_close(h_next, h_ref, atol=2e-4, rtol=2e-4)
 
 
@@ -189,21 +195,25 @@ def _exact_joint(tm, p: list[int], n_tok: int, temperature: float) -> dict[tuple
 
 
 @pytest.mark.parametrize(
-    "method,temperature",
+    "method,temperature,arch",
     [
-        ("ddtree", 1.0),
-        pytest.param("ddtree", 0.7, marks=pytest.mark.integration),  # slower variants: integration runs
-        pytest.param("dflash", 1.0, marks=pytest.mark.integration),
+        ("ddtree", 1.0, "Qwen3ForCausalLM"),
+        ("ddtree", 1.0, "Qwen3_5ForCausalLM"),  # hybrid: tree verification through GDN layers
+        pytest.param("ddtree", 0.7, "Qwen3ForCausalLM", marks=pytest.mark.integration),  # slower variants
+        pytest.param("dflash", 1.0, "Qwen3ForCausalLM", marks=pytest.mark.integration),
     ],
 )
-def test_sampling_matches_target_distribution(method, temperature):
+def test_sampling_matches_target_distribution(method, temperature, arch):
     """First 3 tokens at T>0 on a 4-token vocabulary: Pearson chi-square vs the exact joint (64 cells).
 
     Tolerance: reject at α = 1e-3 (z = 3.09, Wilson–Hilferty critical value); seeded, so the test is
     deterministic. A negative control (the same samples against the T=0.4 joint) must be rejected.
     """
-    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
-                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
+    hybrid = arch == "Qwen3_5ForCausalLM"  # 2 GDN layers + 1 attention layer
+    spec = RandomTargetConfig(architecture=arch, vocab_size=4, hidden_size=32, intermediate_size=64,
+                              num_layers=3 if hybrid else 2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3,
+                              full_attention_interval=3, linear_num_key_heads=1, linear_num_value_heads=2,
+                              linear_key_head_dim=8, linear_value_head_dim=8)
     model = build_random_model(spec)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.12)  # flatter next-token distributions than the default init

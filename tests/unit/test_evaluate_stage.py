@@ -20,8 +20,7 @@ def _args(root: Path, *extra: str) -> list[str]:
 
 
 def test_bad_inputs_are_one_clear_error(tmp_path):
-    with pytest.raises(StageError, match="ddtree refused for hybrid-attention target"):
-        method_plan(["ar", "ddtree"], [16], hybrid=True, target="qwen3.6-27b")
+    assert method_plan(["ddtree", "dflash"], [16, 4]) == [("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 4)]
     with pytest.raises(StageError, match="evaluate.methods: unknown"):
         method_plan(["ar", "medusa"], [16])
     with pytest.raises(StageError, match="evaluate.budgets"):

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from draftforge.engine.tree import Tree, ancestor_matrix, build_tree, draft_topk, tree_inputs, walk
+from draftforge.engine.span import tree_span
+from draftforge.engine.tree import Tree, ancestor_matrix, build_tree, draft_topk, walk
 
 
 def _random_draft(depth: int, vocab: int, seed: int) -> torch.Tensor:
@@ -82,7 +83,8 @@ def test_mask_and_positions_vs_brute_force():
     logp, toks = draft_topk(_random_draft(5, 12, seed=11), 12)
     tree = build_tree(7, logp, toks, budget=40)
     start = 9
-    ids, pos, mask = tree_inputs(tree, start, torch.device("cpu"), torch.float32)
+    span = tree_span(tree, start, torch.device("cpu"), torch.float32, conv_kernel=4)
+    ids, pos, mask = span.ids, span.positions, span.mask
     n = len(tree)
     assert ids.tolist() == [tree.tokens]
     assert mask.shape == (1, 1, n, start + n)
@@ -95,6 +97,10 @@ def test_mask_and_positions_vs_brute_force():
         for col in range(start + n):
             visible = col < start or (col - start) in ancestors
             assert mask[0, 0, i, col].item() == (0.0 if visible else float("-inf"))
+        chain = [i]  # i's o-th ancestors (the conv window), -1 past the root
+        while len(chain) < 4:
+            chain.append(tree.parents[chain[-1]] if chain[-1] >= 0 else -1)
+        assert span.anc_at[i].tolist() == chain
 
 
 def test_ancestor_matrix_chain_and_star():

@@ -1,22 +1,31 @@
-"""Standalone batch-1 decoding engine: AR, DFlash chain and DDTree tree decoding (DESIGN.md §5).
+"""Standalone batch-1 decoding engine: AR, DFlash chain and DDTree tree decoding (docs/architecture.md, "Engine").
 
-gpt-fast-style plain functions over one target wrapper (`target.py`: own KV cache, own layer loop,
-tapped-layer capture), one sampling rule (`sampling.py`), tree construction/verification helpers
-(`tree.py`) and the three decoding loops (`loops.py`). Every loop returns a `GenResult` with tokens,
-TTFT, decode time and per-round acceptance and stage times (`timing.py`).
+gpt-fast-style plain functions: a target wrapper over the engine's own state (`target.py`, `state.py`,
+`gdn.py` for hybrid Gated-DeltaNet layers), spans (`span.py`: what one forward appends), one sampling
+rule (`sampling.py`), tree construction and walk (`tree.py`), the methods that draft a round's tree
+(`methods.py`) and one decoding loop (`loops.py`) returning a `GenResult` with tokens, TTFT, decode time
+and per-round acceptance and stage times (`timing.py`).
 """
 
-from draftforge.engine.loops import GenResult, generate_ar, generate_ddtree, generate_dflash
+from draftforge.engine.loops import GenResult, generate, generate_ar, generate_ddtree, generate_dflash
+from draftforge.engine.methods import METHODS, Features, Method, make_method
 from draftforge.engine.sampling import sample
-from draftforge.engine.target import KVCache, TargetModel, wrap_target
+from draftforge.engine.state import CapacityError, TargetState
+from draftforge.engine.target import TargetModel, wrap_target
 
 __all__ = [
+    "METHODS",
+    "CapacityError",
+    "Features",
     "GenResult",
-    "KVCache",
+    "Method",
     "TargetModel",
+    "TargetState",
+    "generate",
     "generate_ar",
     "generate_ddtree",
     "generate_dflash",
+    "make_method",
     "sample",
     "wrap_target",
 ]

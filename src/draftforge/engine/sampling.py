@@ -1,4 +1,4 @@
-"""The one sampling rule every loop uses (DESIGN.md §5): argmax at T≈0, else one multinomial draw."""
+"""The one sampling rule every loop uses (docs/architecture.md, "Engine"): argmax at T≈0, else one multinomial draw."""
 
 from __future__ import annotations
 

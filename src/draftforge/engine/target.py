@@ -1,12 +1,13 @@
-"""Target wrapper: runs an HF Llama/Qwen3 causal LM layer by layer over our own static KV cache.
+"""Target wrapper: runs an HF causal LM layer by layer over the engine's own state (`state.py`).
 
-We call the HF modules' weights (projections, norms, MLP, rotary table) but own the attention and
-the cache, so cache semantics never drift with transformers versions and tree verification can pass
-an arbitrary additive mask. Layer id L = output of decoder layer L (HF hidden_states[L+1]); the
-tapped layers are collected during the same pass, never all layers.
+We call the HF modules' weights (projections, norms, MLP/MoE, rotary table) but own attention, the GDN
+recurrence and every cache, so cache semantics never drift with transformers versions and a verify
+span can be any tree. Layer id L = output of decoder layer L (HF hidden_states[L+1]); the tapped
+layers are collected during the same pass, never all layers.
 
-Invariant: `cache.length` rows of every layer's K/V hold the committed prefix (rotary already
-applied at each row's position id); rows past `length` are scratch and get overwritten.
+Supported: dense attention (llama, mistral, qwen2, qwen3) and hybrid Gated-DeltaNet targets (qwen3_5
+text, qwen3_5_moe, qwen3_next): gated full attention with partial rotary, GDN layers (`gdn.py`), dense or
+MoE MLPs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+from draftforge.engine import gdn
+from draftforge.engine.span import Span
+from draftforge.engine.state import TargetState
+
+DENSE_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
 
 
 @dataclass
@@ -34,6 +41,10 @@ class TargetModel:
     head_dim: int
     tap_ids: tuple[int, ...] = ()
     qk_norm: bool = False
+    gated_attention: bool = False  # Qwen3.5/Next: q_proj also yields a sigmoid output gate
+    kinds: tuple[str, ...] = ()  # per layer: "attention" | "gdn"
+    slots: tuple[int, ...] = ()  # per layer: its index among the layers of its kind (state rows)
+    gdn: gdn.GDNShape | None = None
     _tap_pos: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -52,23 +63,50 @@ class TargetModel:
     def hidden_size(self) -> int:
         return self.embed.weight.shape[1]
 
+    @property
+    def hybrid(self) -> bool:
+        return self.gdn is not None
+
+    @property
+    def conv_kernel(self) -> int:
+        return self.gdn.conv_kernel if self.gdn else 0
+
+
+def _kind(layer: nn.Module) -> str:
+    if hasattr(layer, "linear_attn"):
+        return "gdn"
+    if hasattr(layer, "self_attn"):
+        return "attention"
+    raise ValueError(f"engine target: decoder layer {type(layer).__name__} has neither self_attn nor linear_attn")
+
 
 def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
     """Wrap a loaded HF causal LM; tap_ids are 0-based decoder-layer outputs to capture."""
     cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
     model_type = getattr(cfg, "model_type", "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"engine target: model_type {model_type!r} not supported (use one of {SUPPORTED_MODEL_TYPES})")
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        raise ValueError("engine target: sliding-window / non-full-attention layers are not supported")
-    base = model.model
+    layer_types = [t for t in (getattr(cfg, "layer_types", None) or []) if t not in ("full_attention", "linear_attention")]
+    if getattr(cfg, "use_sliding_window", False) or layer_types:
+        raise ValueError(f"engine target: sliding-window layers are not supported ({sorted(set(layer_types))})")
+    base = model.model.language_model if hasattr(model.model, "language_model") else model.model
     n_layers = len(base.layers)
     taps = tuple(int(t) for t in tap_ids)
     if any(not 0 <= t < n_layers for t in taps):
         raise ValueError(f"engine target: tap ids {taps} outside [0, {n_layers - 1}]")
-    attn0 = base.layers[0].self_attn
+    kinds = tuple(_kind(layer) for layer in base.layers)
+    counters = {"attention": 0, "gdn": 0}
+    slots = []
+    for k in kinds:
+        slots.append(counters[k])
+        counters[k] += 1
+    first_attn = next(layer.self_attn for layer, k in zip(base.layers, kinds) if k == "attention")
+    first_gdn = next((layer.linear_attn for layer, k in zip(base.layers, kinds) if k == "gdn"), None)
+    if first_gdn is not None and first_gdn.conv1d.bias is not None:
+        raise ValueError("engine target: GDN conv with a bias is not supported")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gated = first_attn.q_proj.out_features == 2 * cfg.num_attention_heads * head_dim
     return TargetModel(
         hf=model,
         embed=base.embed_tokens,
@@ -80,56 +118,13 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         num_kv_heads=cfg.num_key_value_heads,
         head_dim=head_dim,
         tap_ids=taps,
-        qk_norm=hasattr(attn0, "q_norm"),
+        qk_norm=hasattr(first_attn, "q_norm"),
+        gated_attention=gated,
+        kinds=kinds,
+        slots=tuple(slots),
+        gdn=gdn.gdn_shape(first_gdn) if first_gdn is not None else None,
         _tap_pos={t: i for i, t in enumerate(taps)},
     )
-
-
-class KVCache:
-    """Static K/V buffer (layers, 2, n_kv, capacity, hd) with a committed length.
-
-    One tensor for all layers, so compaction is a single gather + copy however deep the model is.
-    `k[i]` / `v[i]` are (1, n_kv, capacity, hd) views of layer i.
-    """
-
-    def __init__(self, tm: TargetModel, capacity: int) -> None:
-        self.buf = torch.empty(len(tm.layers), 2, tm.num_kv_heads, capacity, tm.head_dim, device=tm.device, dtype=tm.dtype)
-        self.length = 0
-        self._views()
-
-    def _views(self) -> None:
-        self.k = [self.buf[i, 0][None] for i in range(self.buf.shape[0])]
-        self.v = [self.buf[i, 1][None] for i in range(self.buf.shape[0])]
-
-    @property
-    def capacity(self) -> int:
-        return self.buf.shape[3]
-
-    def ensure(self, n: int) -> None:
-        """Room for n more rows after `length` (grows by doubling; keeps the committed rows)."""
-        need = self.length + n
-        if need <= self.capacity:
-            return
-        old = self.buf
-        shape = list(old.shape)
-        shape[3] = max(need, 2 * self.capacity)
-        self.buf = old.new_empty(shape)
-        self.buf[:, :, :, : self.length] = old[:, :, :, : self.length]
-        self._views()
-
-    def crop(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"KVCache.crop({n}): cache holds {self.length} rows")
-        self.length = n
-
-    def compact(self, rows: torch.Tensor, dst: int) -> None:
-        """Move rows (long, ascending, every row >= dst) to dst..dst+len-1, then crop after them.
-
-        Used after tree verification: keep the accepted path's rows contiguously after the past.
-        """
-        m = rows.shape[0]
-        self.buf[:, :, :, dst : dst + m] = self.buf.index_select(3, rows)  # gather first: rows may overlap
-        self.length = dst + m
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -138,19 +133,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (n,) → cos, sin (1, 1, n, hd) from the HF rotary module (handles rope scaling)."""
+    """positions (n,) → cos, sin (1, 1, n, rot) from the HF rotary module (handles scaling, partial rotary)."""
     probe = torch.empty(1, device=tm.device, dtype=tm.dtype)
-    cos, sin = tm.rotary(probe, positions[None])  # (1, n, hd)
+    cos, sin = tm.rotary(probe, positions[None])  # (1, n, rot)
     return cos[:, None], sin[:, None]
 
 
-def causal_mask(past: int, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """Additive (1, 1, n, past+n): query j sees rows < past + j + 1. None for n == 1 (sees all)."""
-    if n == 1:
-        return None
-    cols = torch.arange(past + n, device=device)
-    rows = torch.arange(n, device=device)[:, None] + past
-    return torch.zeros((), device=device, dtype=dtype).masked_fill(cols[None, :] > rows, float("-inf"))[None, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (1, heads, n, hd); rotary on the first `rot` dims (rot = hd unless partial), the rest passes."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -166,56 +161,69 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tensor, past: int,
+               span: Span, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One attention mixer: x (1, n, H) normed → (1, n, H); writes K/V of the span at rows past..past+n−1."""
+    n, hd = span.n, tm.head_dim
+    qg = attn.q_proj(x)
+    gate = None
+    if tm.gated_attention:
+        qg = qg.view(1, n, tm.num_heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, tm.num_heads * hd)
+    else:
+        q = qg.view(1, n, tm.num_heads, hd)
+    k = attn.k_proj(x).view(1, n, tm.num_kv_heads, hd)
+    v = attn.v_proj(x).view(1, n, tm.num_kv_heads, hd)
+    if tm.qk_norm:  # per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    end = past + n
+    kv[0, :, past:end] = k[0]
+    kv[1, :, past:end] = v[0]
+    o = _attend(q, kv[0, :, :end][None], kv[1, :, :end][None], span.mask, attn.scaling)  # (1, heads, n, hd)
+    o = o.transpose(1, 2).reshape(1, n, tm.num_heads * hd)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return attn.o_proj(o)
+
+
+def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = layer.mlp(x)
+    return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
+
+
 @torch.no_grad()
-def forward(
-    tm: TargetModel,
-    cache: KVCache,
-    ids: torch.Tensor,  # (1, n) int64
-    positions: torch.Tensor,  # (n,) int64 rotary position of each token
-    mask: torch.Tensor | None | str = "causal",  # additive (1, 1, n, length+n) | None (all) | "causal"
-    want_taps: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Append n tokens at cache rows length..length+n-1 and run the target over them.
+def forward(tm: TargetModel, state: TargetState, span: Span, want_taps: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the target over a span written after the committed rows; the caller then commits.
 
     Returns the final-normed hidden states (1, n, H) (logits = tm.lm_head(h)) and, when want_taps,
     the tapped layers' outputs concatenated in tap order (1, n, n_taps*H).
     """
-    n = ids.shape[1]
-    past = cache.length
-    cache.ensure(n)
-    end = past + n
-    if isinstance(mask, str):
-        mask = causal_mask(past, n, tm.device, tm.dtype)
-    cos, sin = rope_tables(tm, positions)
+    n = span.n
+    past = state.length
+    state.reserve(n)
+    cos, sin = rope_tables(tm, span.positions)
     taps: list[torch.Tensor | None] = [None] * len(tm.tap_ids)
-    h = tm.embed(ids)  # (1, n, H)
+    h = tm.embed(span.ids)  # (1, n, H)
     for i, layer in enumerate(tm.layers):
-        attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(1, n, tm.num_heads, tm.head_dim)
-        k = attn.k_proj(x).view(1, n, tm.num_kv_heads, tm.head_dim)
-        v = attn.v_proj(x).view(1, n, tm.num_kv_heads, tm.head_dim)
-        if tm.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        cache.k[i][:, :, past:end] = k
-        cache.v[i][:, :, past:end] = v
-        o = _attend(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], mask, attn.scaling)  # (1, heads, n, hd)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, n, tm.num_heads * tm.head_dim))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        s = tm.slots[i]
+        if tm.kinds[i] == "attention":
+            h = h + _attention(tm, layer.self_attn, x, state.kv[s], past, span, cos, sin)
+        else:
+            out, state.scratch[s] = gdn.mix(layer.linear_attn, x, state.conv[s], state.rec[s], span.depths,
+                                            span.anc, span.anc_at, span.commit_all)
+            h = h + out
+        h = h + _mlp(layer, layer.post_attention_layernorm(h))
         slot = tm._tap_pos.get(i)
         if slot is not None and want_taps:
             taps[slot] = h
-    cache.length = end
+    if span.commit_all:
+        state.commit_all()
     tapped = torch.cat(taps, dim=-1) if want_taps and taps else None  # type: ignore[arg-type]
     return tm.norm(h), tapped
-
-
-def logits_of(tm: TargetModel, h: torch.Tensor) -> torch.Tensor:
-    """(…, H) final-normed states → (…, V) logits."""
-    return tm.lm_head(h)
 
 
 def embed_tokens(tm: TargetModel, ids: Any) -> torch.Tensor:

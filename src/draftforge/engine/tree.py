@@ -1,4 +1,4 @@
-"""DDTree tree construction, flattening and walk (DESIGN.md §5, steps 1-3 and 5). Plain functions.
+"""DDTree tree construction, flattening and walk (docs/architecture.md, "DDTree"). Plain functions.
 
 Flattened layout: index 0 is the root (the bonus token, depth 0); indices 1..N are the nodes in the
 order the best-first heap produced them, which is topological (a parent always precedes its
@@ -23,9 +23,19 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def children(self) -> dict[tuple[int, int], int]:
         """(parent index, token) → child index (tokens of siblings are distinct)."""
         return {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if i > 0}
+
+
+def chain_tree(bonus: int, drafts: list[int]) -> Tree:
+    """[bonus, d1..dn] as a one-path tree (a chain method's verify input)."""
+    n = 1 + len(drafts)
+    return Tree(tokens=[bonus, *drafts], parents=list(range(-1, n - 1)), depths=list(range(n)), scores=[0.0] * n)
 
 
 def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
@@ -77,25 +87,6 @@ def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor, max_depth: int)
         rows = (depths == d).nonzero().squeeze(-1)
         anc[rows] |= anc[parents[rows]]
     return anc
-
-
-def tree_inputs(
-    tree: Tree, start: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ ids (1, n), positions (n,) = start + depth, additive mask (1, 1, n, start + n).
-
-    Each node attends to the whole committed past [0, start), its ancestors and itself only.
-    """
-    n = len(tree)
-    # Small index work on the host (no per-level kernel launches), one copy of the (n, n) bool matrix.
-    meta = torch.tensor([tree.tokens, tree.parents, tree.depths], dtype=torch.long)  # (3, n) CPU
-    anc = ancestor_matrix(meta[1].clamp(min=0), meta[2], max(tree.depths))
-    anc = anc.pin_memory() if device.type == "cuda" else anc
-    ids = meta[0].to(device, non_blocking=True)
-    depths = meta[2].to(device, non_blocking=True)
-    mask = torch.zeros(n, start + n, device=device, dtype=dtype)
-    mask[:, start:].masked_fill_(~anc.to(device, non_blocking=True), float("-inf"))
-    return ids[None], start + depths, mask[None, None]
 
 
 def walk(tree: Tree, posterior: list[int]) -> list[int]:

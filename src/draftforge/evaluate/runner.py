@@ -16,12 +16,13 @@ import torch
 from tqdm import tqdm
 
 from draftforge import chat
-from draftforge.engine import GenResult, TargetModel, generate_ar, generate_ddtree, generate_dflash
+from draftforge.engine import METHODS, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
-KNOWN_METHODS = ("ar", "dflash", "ddtree")
+KNOWN_METHODS = ("ar", *METHODS)
+TREE_METHODS = ("ddtree",)  # methods swept over evaluate.budgets
 
 
 @dataclass
@@ -33,24 +34,17 @@ class EngineSet:
     max_new_tokens: int
 
 
-def method_plan(methods: Sequence[str], budgets: Sequence[int], hybrid: bool = False, target: str = "") -> list[MethodCfg]:
+def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCfg]:
     """Method configs in a fixed order; AR always first (the reference for speedup and losslessness)."""
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise StageError(f"evaluate.methods: unknown {unknown}; known: {list(KNOWN_METHODS)}")
-    if "ddtree" in methods and hybrid:
-        raise StageError(
-            f"evaluate.methods: ddtree refused for hybrid-attention target {target!r}: its linear-attention "
-            "(Gated DeltaNet) layers keep a per-path recurrent state that an ancestor mask cannot verify; "
-            "remove ddtree from evaluate.methods"
-        )
-    if "ddtree" in methods and (not budgets or any(int(b) < 1 for b in budgets)):
+    if any(m in TREE_METHODS for m in methods) and (not budgets or any(int(b) < 1 for b in budgets)):
         raise StageError(f"evaluate.budgets: {list(budgets)} must be a non-empty list of integers >= 1")
     plan: list[MethodCfg] = [("ar", None)]
-    if "dflash" in methods:
-        plan.append(("dflash", None))
-    if "ddtree" in methods:
-        plan += [("ddtree", int(b)) for b in budgets]
+    for name in KNOWN_METHODS[1:]:
+        if name in methods:
+            plan += [(name, int(b)) for b in budgets] if name in TREE_METHODS else [(name, None)]
     return plan
 
 
@@ -76,12 +70,9 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
     gen = None
     if temperature > 0:
         gen = torch.Generator(device=es.tm.device).manual_seed(seed)
-    kw = dict(temperature=temperature, eos_ids=es.eos_ids, generator=gen)
-    if name == "ar":
-        return generate_ar(es.tm, prompt_ids, es.max_new_tokens, **kw)
-    if name == "dflash":
-        return generate_dflash(es.tm, es.drafter, prompt_ids, es.max_new_tokens, **kw)
-    return generate_ddtree(es.tm, es.drafter, prompt_ids, es.max_new_tokens, budget=int(budget), **kw)
+    method = make_method(name, es.tm, es.drafter, budget)
+    return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
+                    generator=gen)
 
 
 def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temperature: float,

@@ -88,7 +88,7 @@ def main(ctx) -> None:
 
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
-    plan = method_plan(cfg.methods, cfg.budgets, bool(info.get("hybrid_attention")), info.get("name", ""))
+    plan = method_plan(cfg.methods, cfg.budgets)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
     device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)

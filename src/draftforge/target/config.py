@@ -43,7 +43,7 @@ class DrafterShapeConfig:
 class RandomTargetConfig:
     """A random-weight target built locally (tests, GPU benchmarks); tokenizer is byte-level ChatML."""
 
-    architecture: str = "LlamaForCausalLM"  # or Qwen3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3NextForCausalLM
     vocab_size: int = 512
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -55,6 +55,18 @@ class RandomTargetConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     seed: int = 0
+    # Hybrid (Qwen3.5 / Qwen3-Next): every `full_attention_interval`-th layer is gated full attention,
+    # the others Gated DeltaNet; MoE sizes apply to Qwen3-Next only.
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
 
 @dataclass
@@ -70,7 +82,7 @@ class TargetConfig:
     architecture: Optional[str] = None  # expected architecture (checked when set)
     num_layers: Optional[int] = None  # expected layer count (checked when set)
     mtp_layers: int = 0  # MTP layers the checkpoint is expected to carry
-    hybrid_attention: bool = False  # linear-attention layers present (DDTree unsupported)
+    hybrid_attention: bool = False  # Gated-DeltaNet (linear-attention) layers present
     drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
     random: Optional[RandomTargetConfig] = None
 

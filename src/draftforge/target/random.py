@@ -50,8 +50,36 @@ def build_byte_tokenizer(vocab_size: int):
     return fast
 
 
+RANDOM_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
+
+
+def _hybrid_config(spec: RandomTargetConfig, common: dict):
+    """Qwen3.5 text / Qwen3-Next config: GDN layers with every `full_attention_interval`-th layer attention."""
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+    layer_types = ["full_attention" if (i + 1) % spec.full_attention_interval == 0 else "linear_attention"
+                   for i in range(spec.num_layers)]
+    hybrid = dict(
+        common,
+        layer_types=layer_types,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+        linear_key_head_dim=spec.linear_key_head_dim,
+        linear_value_head_dim=spec.linear_value_head_dim,
+        linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                         "partial_rotary_factor": spec.partial_rotary_factor},
+    )
+    hybrid.pop("rope_theta")
+    if spec.architecture == "Qwen3_5ForCausalLM":
+        return Qwen3_5TextConfig(**hybrid)
+    return Qwen3NextConfig(**hybrid, num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                           moe_intermediate_size=spec.moe_intermediate_size,
+                           shared_expert_intermediate_size=spec.moe_intermediate_size)
+
+
 def build_random_model(spec: RandomTargetConfig, dtype: torch.dtype = torch.float32):
-    """An HF causal LM with seeded random weights (Llama or Qwen3 architecture)."""
+    """An HF causal LM with seeded random weights (one of RANDOM_ARCHITECTURES)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(
@@ -74,8 +102,13 @@ def build_random_model(spec: RandomTargetConfig, dtype: torch.dtype = torch.floa
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     elif spec.architecture == "Qwen3ForCausalLM":
         config, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif spec.architecture in ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"):
+        from transformers import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+
+        config = _hybrid_config(spec, common)
+        cls = Qwen3_5ForCausalLM if spec.architecture == "Qwen3_5ForCausalLM" else Qwen3NextForCausalLM
     else:
-        raise ValueError(f"random target architecture {spec.architecture!r}: use LlamaForCausalLM or Qwen3ForCausalLM")
+        raise ValueError(f"random target architecture {spec.architecture!r}: use one of {RANDOM_ARCHITECTURES}")
     torch.manual_seed(spec.seed)
     model = cls(config)
     # Larger-than-default init keeps logits far from uniform, so greedy ties are (almost) impossible.
