@@ -17,7 +17,8 @@ def workflow_copy(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "Snakefile", dest / "Snakefile")
     for folder in ("workflow", "profiles", "conf"):
-        shutil.copytree(REPO / folder, dest / folder)
+        if (REPO / folder).is_dir():
+            shutil.copytree(REPO / folder, dest / folder)
     return dest
 
 
