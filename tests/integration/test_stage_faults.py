@@ -59,13 +59,24 @@ def test_drafter_of_another_target_is_refused(tmp_path, capsys, stage):
     assert not (root / "smoke" / stage / f"{stage}.json").exists()
 
 
-def test_stages_creating_the_mlflow_store_at_once(tmp_path, tiny_target_info):
+# What every stage does at its start on rank 0: open its MLflow run on <results_root>/mlflow.db.
+_OPEN_RUN = """
+import sys, time
+from draftforge.tracking import mlflow_run
+root, experiment, at = sys.argv[1], sys.argv[2], float(sys.argv[3])
+time.sleep(max(0.0, at - time.time()))  # start together, after the imports
+with mlflow_run(results_root=root, experiment=experiment, stage="target", run_name="target/tiny-random") as run:
+    run.log_metrics({"num_layers": 4})
+"""
+
+
+def test_stages_creating_the_mlflow_store_at_once(tmp_path):
     """Three stages start together on a fresh results root: each creates/opens results/mlflow.db."""
     root = tmp_path / "results"
-    env = {**os.environ, "DRAFTFORGE_CACHE": str(Path(tiny_target_info["hf_path"]).parents[1]), "OMP_NUM_THREADS": "1"}
     experiments = ["smoke", "default", "scale"]
-    procs = [subprocess.Popen([PY, "-m", "draftforge.target", f"experiment={e}", "target=tiny-random", f"results_root={root}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for e in experiments]  # fmt: skip
+    at = time.time() + 4
+    procs = [subprocess.Popen([PY, "-c", _OPEN_RUN, str(root), e, str(at)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for e in experiments]  # fmt: skip
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n\n".join(o[-2500:] for o in outs)
     with sqlite3.connect(root / "mlflow.db") as db:

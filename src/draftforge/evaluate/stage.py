@@ -62,10 +62,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     if any(m != "ar" for m, _ in plan):
         from draftforge.drafter import load_drafter
 
-        from draftforge.drafter.config import check_drafter_target
-
         ctx.input_marker("train")
-        check_drafter_target(ctx.input_dir("train") / "drafter", info)
         drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
         check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
     model = load_target_model(info, dtype=dtype, device=str(device))
@@ -109,6 +106,11 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(cfg.methods, cfg.budgets)
+    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+        from draftforge.drafter.config import check_drafter_target
+
+        ctx.input_marker("train")
+        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if not cfg.datasets:
         raise StageError("evaluate.datasets: empty, nothing to evaluate; name at least one prompt set "
                          "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
