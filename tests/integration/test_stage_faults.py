@@ -142,7 +142,8 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_target_info, case):
     base = ["experiment=smoke", "target=tiny-random", "tracking.enabled=false"]
     if case == "no_datasets":
         write_json(root / "smoke" / "target" / "target.json", tiny_target_info)
-        stage, main, args, want = "evaluate", evaluate_main, [*base, f"results_root={root}", "evaluate.datasets=[]"], "evaluate.datasets: empty"
+        args = [*base, f"results_root={root}", "evaluate.datasets=[]", "evaluate.methods=[ar]"]
+        stage, main, want = "evaluate", evaluate_main, "evaluate.datasets: empty"
     elif case == "config_not_utf8":
         folder = _target_folder_with_bad_config(tmp_path, tiny_target_info)
         stage, main, want = "target", target_main, f"{folder / 'config.json'}: not UTF-8"

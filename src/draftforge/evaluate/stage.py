@@ -106,11 +106,6 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(cfg.methods, cfg.budgets)
-    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
-        from draftforge.drafter.config import check_drafter_target
-
-        ctx.input_marker("train")
-        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if not cfg.datasets:
         raise StageError("evaluate.datasets: empty, nothing to evaluate; name at least one prompt set "
                          "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
@@ -118,6 +113,11 @@ def main(ctx) -> None:
         raise StageError(f"evaluate.temperatures: {cfg.temperatures} must be a non-empty list of values >= 0")
     if cfg.max_new_tokens < 1:
         raise StageError(f"evaluate.max_new_tokens: {cfg.max_new_tokens} must be >= 1")
+    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+        from draftforge.drafter.config import check_drafter_target
+
+        ctx.input_marker("train")
+        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
     device = pick_device(cfg, ctx.local_rank)
