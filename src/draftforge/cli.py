@@ -155,7 +155,7 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
         full = disk_full(exc)
         if full is None:
             raise
-        print(f"draftforge {stage}: error: no space left on device ({full}); free space and rerun the same command "
+        print(f"draftforge {stage}: error: disk full or write failed ({full}); free space and rerun the same command "
               "(finished shards and checkpoints are kept)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2) from None
 
@@ -171,7 +171,9 @@ def make_stage_dirs(ctx: StageContext) -> None:
                              f"({exc.strerror or exc}); set results_root to a writable folder") from None  # fmt: skip
 
 
-_DISK_FULL_TEXT = ("no space left on device", "database or disk is full", "disk quota exceeded")
+# What a full disk looks like through sqlite (MLflow) and torch.save's zip writer.
+_DISK_FULL_TEXT = ("no space left on device", "database or disk is full", "disk quota exceeded", "file write failed",
+                   "unexpected pos")
 
 
 def disk_full(exc: BaseException) -> str | None:

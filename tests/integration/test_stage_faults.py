@@ -198,3 +198,26 @@ class _Evil:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.path),))
+
+
+def test_full_disk_is_one_line(tmp_path, capsys):
+    """Writing on a full disk (/dev/full: the kernel's own ENOSPC) through a plain write and through
+    torch.save, wrapped in another error as stage code does: one line and exit 2, not tracebacks."""
+    import torch
+
+    def stage_main(use_torch: bool):
+        def main(ctx):
+            try:
+                if use_torch:
+                    torch.save({"w": torch.zeros(1 << 16)}, "/dev/full")
+                else:
+                    Path("/dev/full").write_text("x" * (1 << 16))
+            except Exception as exc:
+                raise RuntimeError("while saving a checkpoint") from exc
+        return main
+
+    for use_torch in (True, False):
+        with pytest.raises(SystemExit) as exc:
+            run_stage("train", stage_main(use_torch), ["experiment=smoke", "target=tiny-random", f"results_root={tmp_path}"])
+        assert exc.value.code == 2
+        assert "disk full or write failed" in _one_error_line(capsys, "train")
