@@ -6,6 +6,7 @@ MLflow and writes provenance. A StageError becomes one line on stderr and exit s
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -130,8 +131,7 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
     configure_logging(rank)
     try:
         ctx = make_context(stage, argv)
-        ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        make_stage_dirs(ctx)
         write_stage_provenance(ctx)
         main(ctx)
     except StageError as exc:
@@ -140,4 +140,45 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
     except KeyboardInterrupt:
         print(f"draftforge {stage}: interrupted; rerun the same command to resume", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
+            raise
+        print(f"draftforge {stage}: error: disk full or write failed ({full}); free space and rerun the same command "
+              "(finished shards and checkpoints are kept)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
+
+
+def make_stage_dirs(ctx: StageContext) -> None:
+    for path in (ctx.out_dir, ctx.work_dir):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise StageError(f"results_root={ctx.results_root}: cannot create or write {path} "
+                             f"({exc.strerror or exc}); set results_root to a writable folder") from None  # fmt: skip
+
+
+# What a full disk looks like through sqlite (MLflow) and torch.save's zip writer.
+_DISK_FULL_TEXT = ("no space left on device", "database or disk is full", "disk quota exceeded", "file write failed",
+                   "unexpected pos")
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """A short description when `exc` (or anything in its chain) is a full disk, else None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{cur.filename or cur.strerror}" if cur.filename else str(cur.strerror)
+        text = str(cur).lower()
+        if any(t in text for t in _DISK_FULL_TEXT):
+            return str(cur).strip().splitlines()[0][:200]
+        todo += [cur.__cause__, cur.__context__]
+    return None
 

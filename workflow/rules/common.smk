@@ -57,5 +57,5 @@ def stage_cmd(stage):
 # The job's cores split over its processes (unset, Snakemake would leave each process 1 thread).
 STAGE_SHELL = (
     "OMP_NUM_THREADS=$(( {threads} > {params.nproc} ? {threads} / {params.nproc} : 1 )) "
-    "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log} 2>&1"
+    "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log:q} 2>&1"
 )

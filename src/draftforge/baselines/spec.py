@@ -75,9 +75,10 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
 
 def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:
     """The exported drafter's config.json, checked against the target (layer ids, width, vocab)."""
-    from draftforge.drafter.config import read_exported_config
+    from draftforge.drafter.config import check_drafter_target, read_exported_config
 
     dcfg = read_exported_config(drafter_dir)
+    check_drafter_target(drafter_dir, target_info)
     problems = []
     n_layers = int(target_info["num_layers"])
     if dcfg.target_num_layers and dcfg.target_num_layers != n_layers:

@@ -57,6 +57,8 @@ class EvaluateConfig:
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)
 
     def __post_init__(self) -> None:
+        check(bool(self.datasets), "evaluate.datasets", "empty, nothing to evaluate; name at least one prompt set "
+              "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
         check(bool(self.methods), "evaluate.methods", "empty; list at least one method (ar, dflash, ddtree, ...)")
         check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or "ddtree" not in self.methods),
               "evaluate.budgets", f"{list(self.budgets)} must be a non-empty list of integers >= 1")  # fmt: skip

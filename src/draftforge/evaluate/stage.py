@@ -89,6 +89,11 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(cfg.methods, cfg.budgets)
+    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+        from draftforge.drafter.config import check_drafter_target
+
+        ctx.input_marker("train")
+        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
     device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)

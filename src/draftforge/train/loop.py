@@ -232,7 +232,7 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
         if best is None or metrics["val_sim_tau"] > best["val_sim_tau"]:
             best = dict(metrics)
             if rank0:
-                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best})
+                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best, "resume_key": inp.resume_key})
         if rank0 and inp.logger is not None:
             inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=at)
         if rank0:

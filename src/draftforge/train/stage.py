@@ -8,6 +8,7 @@ simulated acceptance length (the last one when there is no val split).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
+from draftforge.errors import StageError
+from draftforge.extract.preflight import FreeBytes, disk_free, fmt_bytes
 from draftforge.io import sha256_file, sha256_json, write_json
 from draftforge.runtime import init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
@@ -34,13 +37,40 @@ def train_config(ctx) -> TrainConfig:
     return TrainConfig(**plain)
 
 
-def main(ctx) -> None:
+def disk_needed(dcfg: DFlashConfig, cfg: TrainConfig) -> int:
+    """Bytes train writes at most: `keep_checkpoints` + 1 in flight (fp32 weights + AdamW moments),
+    best.pt (fp32 weights) and the export (export_dtype)."""
+    from draftforge.drafter.export import expected_shapes
+
+    n_params = sum(math.prod(shape) for shape in expected_shapes(dcfg).values())
+    export_bytes = torch.empty((), dtype=getattr(torch, cfg.export_dtype)).element_size()
+    return n_params * (12 * (max(cfg.keep_checkpoints, 1) + 1) + 4 + export_bytes) + (1 << 20)
+
+
+def check_disk(ctx, dcfg: DFlashConfig, cfg: TrainConfig, free_bytes: FreeBytes) -> None:
+    """Refuse to start (one line) when checkpoints and the export cannot fit; nothing is touched."""
+    ckpt_dir = ctx.work_dir / "checkpoints"
+    have = sum(p.stat().st_size for p in ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else 0
+    need = max(0, disk_needed(dcfg, cfg) - have)
+    free = min(free_bytes(ckpt_dir), free_bytes(ctx.out_dir))
+    if need * DISK_MARGIN > free:
+        raise StageError(f"{ckpt_dir}: not enough disk for training checkpoints and the export: need ~{fmt_bytes(need)} "
+                         f"(x {DISK_MARGIN} margin) but {fmt_bytes(free)} is free; free space, point results_root "
+                         f"elsewhere, or lower train.keep_checkpoints (now {cfg.keep_checkpoints})")  # fmt: skip
+
+
+DISK_MARGIN = 1.2
+
+
+def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     from draftforge.tracking import mlflow_run
 
     cfg = train_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     index_path = ctx.input_marker("extract")
     dcfg = DFlashConfig.from_target(info)
+    if ctx.is_rank0:
+        check_disk(ctx, dcfg, cfg, free_bytes)
     device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
     init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
     try:
@@ -60,7 +90,7 @@ def main(ctx) -> None:
             inputs.logger = run
             result = train(inputs)
             if ctx.is_rank0:
-                _finish(ctx, cfg, dcfg, info, result, run, len(train_src))
+                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key)
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -73,12 +103,15 @@ _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints
                       "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors")
 
 
-def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int) -> None:
+def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int, resume_key: str) -> None:
     """Export the selected weights, then write metrics.json (the marker) last."""
     best = load_best(ctx.work_dir / "checkpoints")
     model = result.model
     selected = "last"
     if best is not None and result.best is not None:
+        if best.get("resume_key", resume_key) != resume_key:  # best.pt of another target/config: never export it
+            raise StageError(f"{ctx.work_dir / 'checkpoints' / 'best.pt'}: written by a run for another target or config; "
+                             "delete it and rerun train")  # fmt: skip
         model.load_state_dict(best["model"])
         selected = f"best val_sim_tau at step {result.best['step']}"
     drafter_dir = ctx.out_dir / "drafter"
