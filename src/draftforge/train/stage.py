@@ -25,7 +25,8 @@ from draftforge.train.checkpoint import load_best
 from draftforge.train.config import TrainConfig
 from draftforge.train.features import open_features
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loop import TrainInputs, compute_dtype, train
+from draftforge.train.loss import resolve_gamma
+from draftforge.train.loop import TrainInputs, compute_dtype, global_batch, train
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,13 @@ def main(ctx) -> None:
             log.warning("extract index has no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
         resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
-                                  "drafter": dcfg.to_dict(), "target": info["fingerprint"], "extract": sha256_file(index_path)})
+                                  "drafter": dcfg.to_dict(), "target": info["fingerprint"], "extract": sha256_file(index_path),
+                                  "global_batch": global_batch(cfg, ctx.world_size)})
         inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
                              ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
                              rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"])
         run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
+                      "global_batch": global_batch(cfg, ctx.world_size), "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
                       "n_train_seqs": len(train_src), "n_val_seqs": len(val_src) if val_src else 0}
         with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}", params=run_params) as run:
             inputs.logger = run
@@ -115,6 +118,8 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "total_steps": result.total_steps,
         "n_train_seqs": n_train,
         "world_size": ctx.world_size,
+        "global_batch": global_batch(cfg, ctx.world_size),
+        "loss_gamma": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
         "throughput": result.throughput,
         "final_train_loss": last.get("loss"),
         "best": result.best,
