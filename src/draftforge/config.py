@@ -61,7 +61,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "target": ("target",),
     "curate": ("target", "curate", *PROMPT_KEYS),
     "extract": ("target", "extract"),
-    "train": ("target", "train"),
+    # extract's plan settings: online training plans the curate shards as extract does (same order).
+    "train": ("target", "train", "extract.max_seq_len", "extract.tokens_per_shard", "extract.seqs_per_shard", "extract.sort_window"),
     "evaluate": ("target", "evaluate"),
     "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),
     "report": ("report",),

@@ -1,8 +1,9 @@
 # Checkpoints live in results/<exp>/.work/train (never a declared output): Ctrl-C, rerun, resume.
+# train.features=online reads the curate shards and runs the target itself: no extract stage.
 rule train:
     input:
         marker("target"),
-        marker("extract"),
+        marker("curate") if CFG.train.features == "online" else marker("extract"),
     output:
         marker("train"),
     params:

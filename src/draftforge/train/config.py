@@ -17,6 +17,9 @@ class TrainConfig:
     gpus: int = 0  # 0 = CPU (gloo, cpu_procs processes); N = torchrun over N GPUs (NCCL)
     cpu_procs: int = 1
     device: str = "auto"  # auto (cuda:LOCAL_RANK when CUDA exists and gpus > 0) | cpu | cuda
+    # offline: read the extract stage's feature store. online: the target runs beside the drafter and
+    # computes the tapped features of each batch from the curate shards (no extract stage, no store).
+    features: str = "offline"
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs; otherwise stop (and schedule) at this many steps
     lr: float = 6e-4
