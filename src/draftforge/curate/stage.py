@@ -123,10 +123,22 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
     return rows_path, stats
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any], progress: bool, make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
     rcfg = ccfg.regenerate
     backend_name = choose_backend(rcfg)
-    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_name, "target": info["fingerprint"]})[:16]
+    # HF generate runs on the GPU when one is visible (the target's dtype there); a GPU run never
+    # resumes a CPU run's chunks (different numerics), while CPU keys stay what they were.
+    hf_cuda = backend_name == "hf" and _cuda_available()
+    backend_key = backend_name + ("-cuda" if hf_cuda else "")
+    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"]})[:16]
     chunk_dir = ctx_work / f"regen-{key}"
 
     def default_backend():  # noqa: ANN202
@@ -134,6 +146,11 @@ def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tok
             return VLLMBackend(info["hf_path"], tokenizer, rcfg, eot)
         from draftforge.target.load import load_target_model
 
+        if hf_cuda:
+            import torch
+
+            return HFBackend(load_target_model(info, dtype=getattr(torch, info.get("dtype") or "bfloat16"), device="cuda"),
+                             tokenizer, rcfg, eot)  # fmt: skip
         return HFBackend(load_target_model(info), tokenizer, rcfg, eot)
 
     stats = run_regeneration(
