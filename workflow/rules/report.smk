@@ -2,7 +2,7 @@ rule report:
     input:
         marker("target"),
         marker("curate"),
-        marker("extract"),
+        [] if CFG.train.features == "online" else marker("extract"),  # online training: no extract stage
         marker("train"),
         marker("evaluate"),
         marker("baselines"),
