@@ -21,7 +21,7 @@ from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
 from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
-from draftforge.stages import STAGE_INPUTS
+from draftforge.stages import stage_inputs
 
 log = logging.getLogger("draftforge")
 
@@ -114,7 +114,7 @@ def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = Non
         return
     inputs = {
         up: stage_marker(ctx.results_root, ctx.experiment, up)
-        for up in STAGE_INPUTS[ctx.stage]
+        for up in stage_inputs(ctx.stage, ctx.cfg)
         if stage_marker(ctx.results_root, ctx.experiment, up).is_file()
     }
     write_provenance(ctx.out_dir, stage=ctx.stage, config=ctx.params, config_hash=ctx.config_hash, inputs=inputs, extra=extra)

@@ -7,6 +7,7 @@ Snakemake rules (`workflow/rules/stages.smk` builds one rule per row) all read i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from draftforge.holdout import PROMPT_KEYS
 
@@ -26,7 +27,10 @@ STAGE_TABLE: tuple[Stage, ...] = (
     # curate decontaminates training data against the evaluation prompt sets
     Stage("curate", "manifest.json", ("target",), ("target", "curate", *PROMPT_KEYS)),
     Stage("extract", "index.json", ("target", "curate"), ("target", "extract")),
-    Stage("train", "metrics.json", ("target", "extract"), ("target", "train")),
+    # train.features=online plans the curate shards as extract does: extract's plan keys are train's too
+    Stage("train", "metrics.json", ("target", "extract"),
+          ("target", "train", "extract.max_seq_len", "extract.tokens_per_shard", "extract.seqs_per_shard",
+           "extract.sort_window")),  # fmt: skip
     Stage("evaluate", "evaluate.json", ("target", "train"), ("target", "evaluate"), timing=True),
     # baselines runs vLLM on the same prompts as evaluate (same sets, count and length)
     Stage("baselines", "baselines.json", ("target", "train"),
@@ -42,6 +46,18 @@ STAGE_BY_NAME: dict[str, Stage] = {s.name: s for s in STAGE_TABLE}
 STAGE_MARKERS: dict[str, str] = {s.name: s.marker for s in STAGE_TABLE}
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {s.name: s.inputs for s in STAGE_TABLE}
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {s.name: s.sections for s in STAGE_TABLE}
+
+def stage_inputs(name: str, cfg: Any) -> tuple[str, ...]:
+    """Upstream stages of `name` under this config: online training (train.features=online) reads the
+    curate shards and runs the target itself, so neither train nor report waits for extract."""
+    ups = STAGE_BY_NAME[name].inputs
+    train = getattr(cfg, "train", None)
+    if getattr(train, "features", "offline") == "online":
+        if name == "train":
+            return tuple("curate" if up == "extract" else up for up in ups)
+        return tuple(up for up in ups if up != "extract")
+    return ups
+
 
 for _s in STAGE_TABLE:  # inputs name earlier stages only: the table is in DAG order
     assert all(STAGES.index(up) < STAGES.index(_s.name) for up in _s.inputs), _s

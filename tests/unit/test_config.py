@@ -86,7 +86,7 @@ def test_stage_params_hold_only_what_the_stage_reads() -> None:
     assert "budgets" not in params["evaluate"]
 
 
-def test_default_taps_match_published_drafters() -> None:
+def test_default_taps_match_published_drafters() -> None:  # reference rule: tests/unit/test_train_recipe.py
     assert default_tap_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_tap_ids(64, 5) == [1, 16, 31, 46, 61]
     with pytest.raises(ValueError):

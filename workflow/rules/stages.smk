@@ -9,7 +9,7 @@ for _stage in STAGE_TABLE:
         name:
             _stage.name
         input:
-            [marker(up) for up in _stage.inputs],
+            [marker(up) for up in stage_inputs(_stage.name, CFG)],
         output:
             marker(_stage.name),
         params:

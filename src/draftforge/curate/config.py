@@ -14,7 +14,7 @@ from draftforge.errors import check
 
 SOURCE_KINDS = (
     "jsonl", "parquet", "hf_disk",  # generic files; records in ShareGPT, OpenAI or prompt/response form
-    "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code",  # packaged default-world corpora
+    "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code", "reasoning_gym",  # packaged default-world corpora
 )  # fmt: skip
 
 
@@ -28,8 +28,9 @@ class SourceConfig:
     # Deterministic streaming subsample: a record is considered iff hash(id) < sample (spreads a
     # quota over a whole ordered source, e.g. all stdlib modules rather than the first few).
     sample: float = 1.0
-    # Kind-specific: gsm_symbolic {seed, size}; chitchat {max_turns}; chatterbot {categories};
-    # stdlib_code {tasks, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
+    # Kind-specific: gsm_symbolic {seed, size}; reasoning_gym {tasks (task or family names), seed, size per task};
+    # chitchat {max_turns}; chatterbot {categories};
+    # stdlib_code {tasks, tasks_per_function, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
     options: Dict[str, Any] = field(default_factory=dict)
 
 

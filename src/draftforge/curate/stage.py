@@ -117,10 +117,22 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
     return rows_path, stats
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any], progress: bool, make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
     rcfg = ccfg.regenerate
     backend_name = choose_backend(rcfg)
-    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_name, "target": info["fingerprint"]})[:16]
+    # HF generate runs on the GPU when one is visible (the target's dtype there); a GPU run never
+    # resumes a CPU run's chunks (different numerics), while CPU keys stay what they were.
+    hf_cuda = backend_name == "hf" and _cuda_available()
+    backend_key = backend_name + ("-cuda" if hf_cuda else "")
+    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"]})[:16]
     chunk_dir = ctx_work / f"regen-{key}"
 
     def default_backend():  # noqa: ANN202
@@ -128,6 +140,11 @@ def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tok
             return VLLMBackend(info["hf_path"], tokenizer, rcfg, eot)
         from draftforge.target.load import load_target_model
 
+        if hf_cuda:
+            import torch
+
+            return HFBackend(load_target_model(info, dtype=getattr(torch, info.get("dtype") or "bfloat16"), device="cuda"),
+                             tokenizer, rcfg, eot)  # fmt: skip
         return HFBackend(load_target_model(info), tokenizer, rcfg, eot)
 
     stats = run_regeneration(
@@ -147,6 +164,8 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
     failed: dict[str, Counter[str]] = {s: Counter() for s in sel["per_source"]}
     kept: Counter[str] = Counter()
     truncated_kept = 0
+    answers: Counter[str] = Counter()  # regenerated answers per source
+    cut: Counter[str] = Counter()  # of which hit max_new_tokens without an end of turn
     preview: list[dict[str, Any]] = []
     chunk_rows = ccfg.regenerate.chunk_rows
     specials = special_strings(tokenizer)
@@ -161,7 +180,9 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
                 if not text:
                     failed[src]["empty_generation"] += 1
                     continue
+                answers[src] += 1
                 if not gen["finished"]:
+                    cut[src] += 1
                     if ccfg.regenerate.truncated == "drop":
                         failed[src]["truncated"] += 1
                         continue
@@ -206,7 +227,17 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
         "rows": {s: w.n_rows for s, w in writers.items()},
         "token_stats": tstats.summary(),
         "truncated_kept": truncated_kept,
+        "truncation": truncation_report(answers, cut, ccfg.regenerate.max_new_tokens),
     }
+
+
+def truncation_report(answers: Counter[str], cut: Counter[str], max_new_tokens: int) -> dict[str, Any]:
+    """Share of regenerated answers that hit max_new_tokens without an end of turn (overall, per source):
+    such rows train the drafter on cut answers that never show the end of a turn."""
+    n, t = sum(answers.values()), sum(cut.values())
+    return {"max_new_tokens": max_new_tokens, "answers": n, "truncated": t, "rate": round(t / n, 4) if n else 0.0,
+            "per_source": {k: {"answers": answers[k], "truncated": cut[k], "rate": round(cut[k] / answers[k], 4)}
+                           for k in sorted(answers)}}  # fmt: skip
 
 
 def totals(per_source: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +290,7 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
         "decontamination": sel["decontamination"],
         "token_stats": out["token_stats"],
         "truncated_kept": out["truncated_kept"],
+        "truncation": out["truncation"],
         "regeneration": regen_info,
         "selection_seconds": sel["seconds"],
         "seconds": round(seconds, 2),
@@ -286,6 +318,7 @@ def log_mlflow(ctx: Any, manifest: dict[str, Any]) -> None:
     for k in ("rows_per_s", "new_tokens_per_s", "rows_generated", "chunks_resumed"):
         if k in regen:
             metrics[f"regen_{k}"] = regen[k]
+    metrics["regen_truncation_rate"] = manifest["truncation"]["rate"]
     metrics["seconds"] = manifest["seconds"]
     with mlflow_run(**ctx.tracking_kwargs(), run_name="curate", params=ctx.params) as run:
         run.log_metrics(metrics)

@@ -40,9 +40,9 @@ class ChitchatEvalConfig:
 
 @dataclass
 class EvaluateConfig:
-    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat.
+    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat, mt_bench (80 two-turn questions).
     # Local-file sets (path in dataset_files): gsm8k, math500, humaneval_file, mbpp, mtbench, alpaca.
-    datasets: List[str] = field(default_factory=lambda: ["humaneval", "gsm_symbolic", "chitchat"])
+    datasets: List[str] = field(default_factory=lambda: ["humaneval", "gsm_symbolic", "chitchat", "mt_bench"])
     dataset_files: Dict[str, str] = field(default_factory=dict)
     num_prompts: int = 10  # per dataset (0 = all)
     max_new_tokens: int = 128

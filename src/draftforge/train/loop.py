@@ -1,8 +1,9 @@
 """The training loop: DFlash blocks, decayed CE, AdamW + cosine/warmup, clip, DDP, eval, resume.
 
-Distributed invariant: the loss is normalized by the *global* sum of valid-slot weights and scaled
-by the world size (DDP averages gradients), so W ranks sharing a global batch compute exactly the
-gradient one process computes on that batch.
+Distributed invariant: each rank takes `batch_seqs` sequences per step (global batch = batch_seqs x
+world); the loss is normalized by the *global* sum of valid-slot weights and scaled by the world size
+(DDP averages gradients), so W ranks of b sequences compute exactly the gradient one process computes
+on the same W*b sequences.
 """
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ class TrainResult:
     throughput: dict[str, float] | None = None
 
 
-def total_steps(cfg: TrainConfig, n_seq: int) -> tuple[int, int]:
+def global_batch(cfg: TrainConfig, world: int) -> int:
+    """Sequences per optimizer step over all ranks."""
+    return cfg.batch_seqs * max(1, world)
+
+
+def total_steps(cfg: TrainConfig, n_seq: int, world: int = 1) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps)."""
-    per_epoch = -(-n_seq // cfg.batch_seqs)
+    per_epoch = -(-n_seq // global_batch(cfg, world))
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     return per_epoch, total
 
@@ -115,7 +121,7 @@ def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> It
     step = start_step
     while step < total:
         epoch, in_epoch = divmod(step, per_epoch)
-        order = epoch_order(len(inp.train_source), cfg.batch_seqs, cfg.seed, epoch)
+        order = epoch_order(len(inp.train_source), global_batch(cfg, inp.world), cfg.seed, epoch)
         for seqs_of_step in order[in_epoch:]:
             if step >= total:
                 return
@@ -185,9 +191,9 @@ def build_model(inp: TrainInputs) -> DFlashDrafter:
 def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     """Train (or resume) to cfg's total steps; `stop_at_step` simulates an interruption (tests)."""
     cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
-    if cfg.batch_seqs % inp.world:
-        raise ValueError(f"train.batch_seqs={cfg.batch_seqs} must be a multiple of the world size {inp.world}")
-    per_epoch, total = total_steps(cfg, len(inp.train_source))
+    if cfg.batch_seqs < 1:
+        raise ValueError(f"train.batch_seqs={cfg.batch_seqs}: need >= 1 sequence per rank")
+    per_epoch, total = total_steps(cfg, len(inp.train_source), inp.world)
     dtype = compute_dtype(cfg, inp.device)
     model = build_model(inp)
     params = [p for p in model.parameters() if p.requires_grad]

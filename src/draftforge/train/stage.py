@@ -1,5 +1,8 @@
 """`train` stage: DFlash drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
 
+`train.features=offline` reads the extract stage's feature store; `online` reads the curate shards
+and runs the target beside the drafter (train/online.py), in the same sequence order.
+
 Single process or `torchrun` (NCCL on GPU, gloo on CPU). Resumable checkpoints live in
 ctx.work_dir/checkpoints (outside the declared outputs); the export is the best checkpoint by val
 simulated acceptance length (the last one when there is no val split).
@@ -27,7 +30,8 @@ from draftforge.train.checkpoint import load_best
 from draftforge.train.config import TrainConfig
 from draftforge.train.features import open_features
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loop import TrainInputs, compute_dtype, train
+from draftforge.train.loop import TrainInputs, compute_dtype, global_batch, train
+from draftforge.train.loss import resolve_gamma
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,9 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     from draftforge.tracking import mlflow_run
 
     cfg = train_config(ctx)
+    if cfg.features not in FEATURE_MODES:
+        raise StageError(f"train.features={cfg.features!r}: use one of {list(FEATURE_MODES)}")
     info = read_target_info(ctx.input_marker("target"))
-    index_path = ctx.input_marker("extract")
     dcfg = DFlashConfig.from_target(info)
     if ctx.is_rank0:
         check_disk(ctx, dcfg, cfg, free_bytes)
@@ -75,17 +80,30 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
     try:
         dtype = compute_dtype(cfg, device)
-        train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if cfg.features == "online":
+            from draftforge.extract.stage import check_curate
+            from draftforge.train.online import open_online
+
+            check_curate(ctx, info)
+            target_dtype = getattr(torch, info.get("dtype") or "bfloat16") if device.type == "cuda" else torch.float32
+            train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype)
+            data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
+        else:
+            index_path = ctx.input_marker("extract")
+            train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            data_key = {"extract": sha256_file(index_path)}
         if val_src is None:
-            log.warning("extract index has no val split: the export is the last checkpoint, no simulated acceptance")
+            log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
         resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
-                                  "drafter": dcfg.to_dict(), "target": info["fingerprint"], "extract": sha256_file(index_path)})
+                                  "drafter": dcfg.to_dict(), "target": info["fingerprint"], **data_key,
+                                  "global_batch": global_batch(cfg, ctx.world_size)})
         inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
                              ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
                              rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"])
         run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
-                      "n_train_seqs": len(train_src), "n_val_seqs": len(val_src) if val_src else 0}
+                      "global_batch": global_batch(cfg, ctx.world_size), "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
+                      "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
         with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}", params=run_params) as run:
             inputs.logger = run
             result = train(inputs)
@@ -97,6 +115,8 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
+FEATURE_MODES = ("offline", "online")
 
 # Knobs that do not change what is computed (a resumed run may change them freely).
 _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
@@ -129,6 +149,9 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "total_steps": result.total_steps,
         "n_train_seqs": n_train,
         "world_size": ctx.world_size,
+        "features": cfg.features,
+        "global_batch": global_batch(cfg, ctx.world_size),
+        "loss_gamma": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
         "throughput": result.throughput,
         "final_train_loss": last.get("loss"),
         "best": result.best,
