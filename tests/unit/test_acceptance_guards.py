@@ -196,17 +196,16 @@ def _bucket(conv_id: str) -> int:
 
 
 def test_holdouts_at_their_boundaries():
-    """Curate (training side) and evaluate agree on held-out chitchat ids at the exact bucket boundary,
-    and training gsm_symbolic seeds may touch but never enter the evaluation range."""
+    """The one hold-out rule (used by curate and evaluate) at the exact chitchat bucket boundary, and
+    training gsm_symbolic seeds may touch but never enter the evaluation range."""
     from draftforge.curate.config import SourceConfig
-    from draftforge.curate.packaged import chitchat_held_out, iter_gsm_symbolic
+    from draftforge.curate.packaged import iter_gsm_symbolic
     from draftforge.errors import StageError
-    from draftforge.evaluate.prompts import chitchat_is_heldout
+    from draftforge.holdout import chitchat_is_heldout
 
     for conv_id in ("conv-a", "conv-b", "conv-c"):
         b = _bucket(conv_id)
-        for fn in (chitchat_held_out, chitchat_is_heldout):
-            assert fn(conv_id, b + 1) and not fn(conv_id, b), (fn.__name__, conv_id, b)
+        assert chitchat_is_heldout(conv_id, b + 1) and not chitchat_is_heldout(conv_id, b), (conv_id, b)
 
     ev = SimpleNamespace(gsm_symbolic=SimpleNamespace(seed=1000, size=10))
     ok = SourceConfig(name="gsm", kind="gsm_symbolic", options={"seed": 990, "size": 10})  # [990, 1000): touches

@@ -13,8 +13,9 @@ from draftforge.curate.packaged import REASONING_GYM_TASKS, reasoning_gym_tasks
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
 from draftforge.errors import StageError
+from draftforge.evaluate.config import EvaluateConfig, GsmSymbolicEvalConfig
 
-EVAL = {"gsm_symbolic": {"seed": 1000, "size": 50}}
+EVAL = EvaluateConfig(gsm_symbolic=GsmSymbolicEvalConfig(seed=1000, size=50))
 MODULE = '''
 def add(a, b):
     """Add."""

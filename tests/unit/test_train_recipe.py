@@ -42,8 +42,6 @@ def test_recipe_defaults():
     cfg = TrainConfig()
     assert cfg.loss_gamma is None and list(cfg.betas) == [0.9, 0.999]
     assert (cfg.lr, cfg.warmup_ratio, cfg.num_anchors, cfg.batch_seqs) == (6e-4, 0.04, 512, 1)
-    conf = yaml.safe_load((REPO / "conf/train/default.yaml").read_text())
-    assert conf["loss_gamma"] is None and conf["betas"] == [0.9, 0.999]
 
 
 def test_default_taps_round_half_to_even():
