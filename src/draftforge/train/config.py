@@ -7,7 +7,7 @@ Defaults are the published DFlash recipe (AdamW 6e-4, cosine with 4% warmup, cli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -42,3 +42,30 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
+    # Drafter kind and DSpark heads (the drafter's own config group will own these once it exists).
+    drafter_type: str = "dflash"  # dflash | dspark
+    markov_rank: int = 256  # DSpark Markov head rank (0: none)
+    confidence_head: bool = True  # DSpark confidence head
+    confidence_head_with_markov: bool = True  # its input is [hidden; Markov embedding]
+    bonus_anchor: bool = False  # DSpark block: False = every slot predicts the next position (vLLM's default)
+    # Objective: terms ce / kl / tv (tv = ½L1 to the target's next-token distribution) with weights;
+    # None = the drafter's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE).
+    loss_weights: Optional[Dict[str, float]] = None
+    confidence_loss_weight: float = 1.0  # BCE of the confidence head vs the analytic acceptance 1 - tv
+    loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
+    init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
+
+
+def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:
+    if cfg.loss_weights:
+        return {k: float(v) for k, v in dict(cfg.loss_weights).items()}
+    return {"tv": 1.8, "ce": 0.1} if cfg.drafter_type == "dspark" else {"ce": 1.0}
+
+
+def needs_last_layer(cfg: Any) -> bool:
+    """Whether extract must store the target's final-normed last-layer states (the target's next-token
+    distribution for distribution losses / DSpark). `cfg` is the root config (has `.train`). One switch for
+    every consumer: add a condition here rather than a second flag."""
+    train = cfg.train
+    w = effective_loss_weights(train)
+    return train.drafter_type == "dspark" or w.get("kl", 0) > 0 or w.get("tv", 0) > 0
