@@ -65,6 +65,12 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
         ctx.input_marker("train")
         drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
         check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
+        from draftforge.drafter.dspark import is_dspark
+
+        markov = [m for m, _ in plan if m in ("dspark", "ddtree_markov")]
+        if markov and not is_dspark(drafter.cfg):
+            raise StageError(f"evaluate.methods: {sorted(set(markov))} need a DSpark drafter; "
+                             f"{ctx.input_dir('train') / 'drafter'} is a DFlash drafter (it runs dflash / ddtree)")
     model = load_target_model(info, dtype=dtype, device=str(device))
     taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
     try:
@@ -163,7 +169,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
         budget = row["budget"] if row["budget"] is not None else ""
         tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
                 "engine": "draftforge", "temperature": row["temperature"]}
-        if row["method"] == "ddtree":
+        if row["method"] in ("ddtree", "ddtree_markov"):
             tags["best_budget"] = row.get("best_budget", False)
         name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
