@@ -81,7 +81,7 @@ def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
 
 
 def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
-    if "dflash" not in names or ctx.cfg.baselines.methods.dflash.model:
+    if not any(m in names and not ctx.cfg.baselines.methods[m].model for m in ("dflash", "dspark")):
         return None
     ctx.input_marker("train")  # clear error when training has not finished
     return ctx.input_dir("train") / "drafter"
@@ -164,13 +164,13 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
-    plans = {name: plan_method(name, b.methods[name], info, drafter_dir) for name in names}
+    device = resolve_device(str(b.device))
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device) for name in names}
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
-    device = resolve_device(str(b.device))
     settings = resolve_settings(b, info, device, longest, max_new)
     env = worker_env(device, settings.in_process_engine)
     log.info("baselines: methods %s on %s; %d prompts/dataset over %s; max_new_tokens %d; device %s",
