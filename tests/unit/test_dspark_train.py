@@ -63,7 +63,7 @@ def test_dspark_loss_decreases_with_analytic_metrics(tiny_target_info, items, tm
 
 def test_dflash_can_train_on_the_target_distribution(tiny_target_info, items, tmp_path):
     cfg = TrainConfig(max_steps=2, batch_seqs=2, num_anchors=4, eval_every=2, ckpt_every=2, val_max_seqs=1,
-                      val_num_anchors=4, init_from_target=False, loss_weights={"kl": 1.0, "ce": 0.5})
+                      val_num_anchors=4, init_from_target=False, loss_kl=1.0, loss_ce=0.5)
     res = train(make_inputs(tiny_target_info, cfg, items[:4], items[6:7], tmp_path))
     assert "val_analytic_tau" in res.evals[-1] and isinstance(res.model, DFlashDrafter)
 
@@ -87,4 +87,4 @@ def test_needs_last_layer_switch():
 
     assert not needs_last_layer(Root())
     assert needs_last_layer(Root(drafter_type="dspark"))
-    assert needs_last_layer(Root(loss_weights={"tv": 1.0}))
+    assert needs_last_layer(Root(loss_tv=1.0))

@@ -7,7 +7,7 @@ Defaults are the published DFlash recipe (AdamW 6e-4, cosine with 4% warmup, cli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 
 @dataclass
@@ -48,17 +48,21 @@ class TrainConfig:
     confidence_head: bool = True  # DSpark confidence head
     confidence_head_with_markov: bool = True  # its input is [hidden; Markov embedding]
     bonus_anchor: bool = False  # DSpark block: False = every slot predicts the next position (vLLM's default)
-    # Objective: terms ce / kl / tv (tv = ½L1 to the target's next-token distribution) with weights;
-    # None = the drafter's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE).
-    loss_weights: Optional[Dict[str, float]] = None
+    # Objective: weights of the terms ce / kl / tv (tv = ½L1 to the target's next-token distribution);
+    # all null = the drafter's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE);
+    # any set = exactly those (unset ones 0).
+    loss_ce: Optional[float] = None
+    loss_kl: Optional[float] = None
+    loss_tv: Optional[float] = None
     confidence_loss_weight: float = 1.0  # BCE of the confidence head vs the analytic acceptance 1 - tv
     loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
     init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
 
 
 def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:
-    if cfg.loss_weights:
-        return {k: float(v) for k, v in dict(cfg.loss_weights).items()}
+    given = {t: getattr(cfg, f"loss_{t}") for t in ("ce", "kl", "tv")}
+    if any(v is not None for v in given.values()):
+        return {t: float(v) for t, v in given.items() if v}
     return {"tv": 1.8, "ce": 0.1} if cfg.drafter_type == "dspark" else {"ce": 1.0}
 
 

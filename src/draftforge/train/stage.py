@@ -1,4 +1,4 @@
-"""`train` stage: DFlash drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
+"""`train` stage: a DFlash (or DSpark: train.drafter_type) drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
 
 Single process or `torchrun` (NCCL on GPU, gloo on CPU). Resumable checkpoints live in
 ctx.work_dir/checkpoints (outside the declared outputs); the export is the best checkpoint by val
@@ -48,6 +48,20 @@ def init_distributed(ctx, device: torch.device, timeout_min: int) -> None:
         dist.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
 
 
+def drafter_config(cfg: TrainConfig, info: dict[str, Any]) -> DFlashConfig:
+    """The drafter's shape from target.json, with DSpark heads when train.drafter_type is dspark."""
+    base = DFlashConfig.from_target(info)
+    if cfg.drafter_type == "dflash":
+        return base
+    if cfg.drafter_type != "dspark":
+        raise StageError(f"train.drafter_type={cfg.drafter_type!r}: use dflash or dspark")
+    from draftforge.drafter.dspark import DSparkConfig
+
+    return DSparkConfig.from_dflash(base, markov_rank=cfg.markov_rank, enable_confidence_head=cfg.confidence_head,
+                                    confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.markov_rank > 0,
+                                    bonus_anchor=cfg.bonus_anchor)
+
+
 def train_config(ctx) -> TrainConfig:
     plain = OmegaConf.to_container(ctx.cfg.train, resolve=True)
     return TrainConfig(**plain)
@@ -59,12 +73,19 @@ def main(ctx) -> None:
     cfg = train_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     index_path = ctx.input_marker("extract")
-    dcfg = DFlashConfig.from_target(info)
+    dcfg = drafter_config(cfg, info)
     device = pick_device(cfg, ctx.local_rank)
     init_distributed(ctx, device, cfg.dist_timeout_min)
     try:
         dtype = compute_dtype(cfg, device)
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        from draftforge.train.loop import make_objective
+
+        obj = make_objective(cfg, dcfg)
+        if obj is not None and obj.needs_target and len(train_src[0]) < 4:
+            raise StageError(f"{index_path}: the {cfg.drafter_type} objective {obj.weights} needs the target's last-layer "
+                             "states, which this extract did not store; rerun extract with this train config "
+                             "(draftforge.train.config.needs_last_layer decides what extract stores)")
         if val_src is None:
             log.warning("extract index has no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
