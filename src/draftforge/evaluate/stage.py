@@ -54,6 +54,12 @@ def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> 
     return DTYPES[name]
 
 
+def drafter_kind(cfg) -> str:
+    from draftforge.drafter.dspark import is_dspark
+
+    return "dspark" if is_dspark(cfg) else "dflash"
+
+
 def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
     from draftforge.engine import wrap_target
     from draftforge.target.load import load_target_model, load_tokenizer
@@ -137,6 +143,8 @@ def main(ctx) -> None:
         if not ctx.is_rank0:
             continue
         rows = aggregate(records)
+        for row in rows:  # which drafter produced the row (None for AR)
+            row["drafter"] = None if row["method"] == "ar" or es.drafter is None else drafter_kind(es.drafter.cfg)
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
         write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
