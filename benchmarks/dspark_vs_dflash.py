@@ -85,7 +85,6 @@ def run_engine(tm, drafters, prompts, args):
     from draftforge.engine import generate, make_method
 
     rows = []
-    plans = [("dflash", "dflash", None), ("dflash", "ddtree", None)]
     plans = [("dflash", "dflash", None)] + [("dflash", "ddtree", b) for b in args.budgets]
     plans += [("dspark", "dspark", None), ("dspark", "dflash", None)]
     plans += [("dspark", "ddtree", b) for b in args.budgets] + [("dspark", "ddtree_markov", b) for b in args.budgets]
