@@ -226,5 +226,6 @@ def test_dspark_plan_skips_with_the_exact_reason(tmp_path):
     assert "DFlash drafter" in plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dflash", device="cpu").skip_reason
     cpu = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cpu")
     assert cpu.skip_reason == DSPARK_CPU_REASON and "Model Runner V1 does not support: dspark" in cpu.skip_reason
+    assert "DSpark drafter" in plan_method("dflash", cfg.methods.dflash, info, tmp_path / "dspark").skip_reason
     cuda = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cuda")
     assert cuda.skip_reason is None and cuda.speculative_config["num_speculative_tokens"] == 4  # every slot drafts

@@ -126,6 +126,9 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
         if drafter_dir is None:
             raise StageError("baselines.methods.dflash.model: no drafter (train stage output missing and none configured)")
         info = read_drafter_config(drafter_dir.resolve(), target_info)
+        if info["dspark"]:
+            return MethodPlan(name, skip_reason=f"{drafter_dir.resolve()} is a DSpark drafter: vLLM serves it as 'dspark' "
+                                                "(its dflash loader would reject the Markov / confidence heads)")
         spec = {"method": "dflash", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["block_size"] - 1)}
         return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
     if name == "dspark":

@@ -197,6 +197,8 @@ def main(ctx: Any) -> None:
 
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
     all_rows = [row for name in names for row in rows_by_method[name]]
+    for row in all_rows:  # which drafter a row used (the report's `drafter` column)
+        row["drafter"] = row["method"] if row["method"] in ("dflash", "dspark") else None
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():
