@@ -16,7 +16,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, save_bigram_llama  # noqa: E402
-
 from draftforge.baselines import metrics as M  # noqa: E402
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
@@ -94,7 +93,7 @@ def test_ar_ngram_dflash_real_engine(tmp_path):
     dflash = _recheck_counters(rec["dflash"], drafts_every_step=True)
     assert rec["dflash"]["speculative_config"] == {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": info["drafter"]["block_size"] - 1}  # fmt: skip
     assert dflash["num_draft_tokens"] == dflash["num_drafts"] * (info["drafter"]["block_size"] - 1)
-    assert marker["parity"]["available"] is False  # no evaluate results in this tree
+    assert "parity" not in marker  # computed by report, which reads both engines' rows
 
     import mlflow
 

@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evaluate_fixtures import tiny_pipeline  # noqa: E402
-
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
+from draftforge.rows import ROW_KEYS  # noqa: E402
+from evaluate_fixtures import tiny_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.integration
-ROW_KEYS = {"dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
-            "speedup_vs_ar", "lossless_mismatches", "n_prompts"}
 
 
 def _args(root: Path, *extra: str) -> list[str]:
@@ -34,7 +32,7 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     rows = marker["rows"]
     assert len(rows) == 2 * 2 * 4  # datasets × temperatures × (ar, dflash, ddtree@1, ddtree@32)
     for row in rows:
-        assert ROW_KEYS <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
+        assert set(ROW_KEYS) <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         if row["temperature"] == 0.0:
             assert row["lossless_mismatches"] == 0, row  # fp32 CPU: exact

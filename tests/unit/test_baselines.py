@@ -1,4 +1,4 @@
-"""baselines: counter arithmetic, rows/speedup/lossless/parity, method specs (no engine needed)."""
+"""baselines: counter arithmetic, rows/speedup/lossless, the parity check, method specs (no engine needed)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, plain_cfg  # noqa: E402
-
 from draftforge.baselines import metrics as M  # noqa: E402
-from draftforge.baselines.rows import add_comparisons, method_rows, parity_block  # noqa: E402
+from draftforge.baselines.rows import add_comparisons, method_rows  # noqa: E402
 from draftforge.baselines.spec import plan_method, resolve_settings, worker_spec  # noqa: E402
 from draftforge.errors import StageError  # noqa: E402
+from draftforge.report.parity import parity_block  # noqa: E402
 
 
 # Same shapes as vllm.v1.metrics.reader's dataclasses (matched by class name / attributes).
@@ -123,22 +123,17 @@ def test_rows_speedup_lossless_and_failed_method():
         assert row["engine"] == "vllm"
 
 
-def test_parity_block(tmp_path):
-    rows = [{"method": "dflash", "dataset": "humaneval", "temperature": 0.0, "tau": 3.0, "n_prompts": 4},
-            {"method": "dflash", "dataset": "chitchat", "temperature": 0.0, "tau": 2.0, "n_prompts": 4}]  # fmt: skip
-    ev = tmp_path / "evaluate"
-    missing = parity_block(rows, ev, 0.05)
-    assert missing["available"] is False and "evaluate" in missing["reason"]
-    ev.mkdir()
-    # a dataset file of a still-running evaluate (per-response records) is not a finished result
-    (ev / "humaneval.json").write_text(json.dumps({"responses": [{"method": "dflash", "dataset": "humaneval", "tau": 1.0}]}))
-    assert parity_block(rows, ev, 0.05)["available"] is False
-    (ev / "evaluate.json").write_text(json.dumps({"engine": "draftforge", "rows": [
+def test_parity_block():
+    vllm = [{"method": "dflash", "dataset": "humaneval", "engine": "vllm", "temperature": 0.0, "tau": 3.0, "n_prompts": 4},
+            {"method": "dflash", "dataset": "chitchat", "engine": "vllm", "temperature": 0.0, "tau": 2.0, "n_prompts": 4}]  # fmt: skip
+    missing = parity_block(vllm, 0.05)
+    assert missing["available"] is False and "standalone" in missing["reason"]
+    ours = [
         {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 2.95, "n_prompts": 4},
         {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 1.0, "tau": 2.0, "n_prompts": 4},
         {"method": "ddtree", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 4.0, "budget": 64},
-        {"method": "dflash", "dataset": "chitchat", "engine": "draftforge", "temperature": 0.0, "tau": 2.5}]}))  # fmt: skip
-    block = parity_block(rows, ev, 0.05)
+        {"method": "dflash", "dataset": "chitchat", "engine": "draftforge", "temperature": 0.0, "tau": 2.5}]  # fmt: skip
+    block = parity_block(vllm + ours, 0.05)
     assert block["available"] is True and block["all_within"] is False
     assert block["datasets"]["humaneval"]["within_tolerance"] is True
     assert block["datasets"]["humaneval"]["rel_diff"] == pytest.approx(0.05 / 2.95)

@@ -12,7 +12,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import fake_vllm  # noqa: E402
-
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.io import write_json  # noqa: E402

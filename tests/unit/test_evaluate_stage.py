@@ -12,6 +12,7 @@ from draftforge.evaluate.aggregate import aggregate, first_mismatch  # noqa: E40
 from draftforge.evaluate.runner import method_plan, split_turns  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
 
+
 def _args(root: Path, *extra: str) -> list[str]:
     return ["experiment=smoke", "target=tiny-random", f"results_root={root}", "tracking.enabled=false",
             "evaluate.datasets=[chitchat,gsm_symbolic]", "evaluate.gsm_symbolic.size=3", "evaluate.num_prompts=2",

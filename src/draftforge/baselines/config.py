@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from draftforge.errors import check
+
 # vLLM `speculative_config.method` values this stage knows how to configure (None = no speculation).
 KNOWN_METHODS: Dict[str, Optional[str]] = {
     "ar": None,
@@ -75,5 +77,14 @@ class BaselinesConfig:
     # Optional concurrency sweep: per method one more engine (max_num_seqs = max value) that runs c
     # simultaneous greedy requests for each c; aggregate tokens/s and τ. Empty = off (batch size 1 only).
     concurrency: List[int] = field(default_factory=list)
-    # Parity of vLLM-DFlash τ with our standalone DFlash τ (evaluate stage), relative tolerance.
-    parity_tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.methods if n not in KNOWN_METHODS]
+        check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(KNOWN_METHODS)}")
+        check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "baselines.temperatures",
+              f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
+        check(self.max_new_tokens is None or self.max_new_tokens >= 1, "baselines.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        check(self.datasets is None or bool(self.datasets), "baselines.datasets", "empty (null = evaluate.datasets)")
+        check(self.device in ("auto", "cpu", "cuda"), "baselines.device", f"{self.device!r} must be auto, cpu or cuda")
+        check(self.kv_cache_gib > 0, "baselines.kv_cache_gib", f"{self.kv_cache_gib} must be > 0")
+        check(all(c >= 1 for c in self.concurrency), "baselines.concurrency", f"{list(self.concurrency)} must be values >= 1")

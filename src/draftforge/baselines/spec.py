@@ -64,12 +64,8 @@ class MethodPlan:
 
 
 def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longest_prompt: int, max_new_tokens: int) -> EngineSettings:
-    if device not in ("cpu", "cuda"):
-        raise StageError(f"baselines.device: {device!r} must be auto, cpu or cuda")
     dtype = bcfg.dtype or ("float32" if device == "cpu" else str(target_info.get("dtype") or "bfloat16"))
     eager = bool(device == "cpu") if bcfg.enforce_eager is None else bool(bcfg.enforce_eager)
-    if bcfg.kv_cache_gib <= 0:
-        raise StageError(f"baselines.kv_cache_gib: {bcfg.kv_cache_gib} must be > 0")
     need = longest_prompt + max_new_tokens + MODEL_LEN_MARGIN
     limit = int(target_info.get("max_position_embeddings") or need)
     max_len = int(bcfg.max_model_len) if bcfg.max_model_len else min(need, limit)
@@ -84,9 +80,10 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
 
 def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:
     """The exported drafter's config.json, checked against the target (layer ids, width, vocab)."""
-    from draftforge.drafter.config import read_exported_config
+    from draftforge.drafter.config import check_drafter_target, read_exported_config
 
     dcfg = read_exported_config(drafter_dir)
+    check_drafter_target(drafter_dir, target_info)
     problems = []
     n_layers = int(target_info["num_layers"])
     if dcfg.target_num_layers and dcfg.target_num_layers != n_layers:

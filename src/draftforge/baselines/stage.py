@@ -2,7 +2,7 @@
 
 Outputs under results/<exp>/baselines/: `<method>.json` per method (rows, counters, per-prompt
 timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
-all rows, method statuses, parity block). Worker specs/results live in the work dir.
+all rows, method statuses; report checks parity against evaluate). Worker specs/results live in the work dir.
 A missing vLLM is a recorded skip with its reason in every row, never numbers.
 """
 
@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
-from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, parity_block, segment_summary
+from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
 from draftforge.errors import StageError
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.runtime import cuda_device_count, device_kind
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,6 @@ def enabled_methods(bcfg: Any) -> list[str]:
     if not names:
         raise StageError("baselines.methods: every method is disabled")
     return sorted(names, key=lambda n: n != "ar")
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def vllm_missing_reason() -> str | None:
@@ -73,10 +66,6 @@ def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
     max_new = int(b.max_new_tokens if b.max_new_tokens is not None else ev.max_new_tokens)
     if not datasets:
         raise StageError("baselines.datasets: empty")
-    if max_new < 1:
-        raise StageError(f"baselines.max_new_tokens: {max_new} must be >= 1")
-    if not b.temperatures or any(t < 0 for t in b.temperatures):
-        raise StageError(f"baselines.temperatures: {list(b.temperatures)} must be a non-empty list of values >= 0")
     return datasets, num_prompts, max_new
 
 
@@ -94,8 +83,6 @@ def run_concurrency_sweep(ctx: Any, names: list[str], plans: dict[str, MethodPla
     levels = sorted({int(c) for c in ctx.cfg.baselines.concurrency})
     if not levels:
         return {}
-    if levels[0] < 1:
-        raise StageError(f"baselines.concurrency: {levels} must be values >= 1")
     pool = [p for seg in segments if seg["temperature"] == segments[0]["temperature"] for p in seg["prompts"]]
     sweep: dict[str, list[dict[str, Any]]] = {}
     for name in tqdm(names, desc="baselines concurrency", disable=not ctx.is_rank0):
@@ -164,7 +151,7 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
-    device = resolve_device(str(b.device))
+    device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
     plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device) for name in names}
 
     tokenizer = load_tokenizer(info)
@@ -206,7 +193,6 @@ def main(ctx: Any) -> None:
             record["concurrency"] = sweep[name]
         write_json(ctx.out_dir / f"{name}.json", record)
 
-    parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
     marker = {
         "engine": ENGINE,
         "target": info["name"],
@@ -220,7 +206,6 @@ def main(ctx: Any) -> None:
         "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
         "rows": all_rows,
         "concurrency_rows": [row for name in names for row in sweep.get(name, [])],
-        "parity": parity,
         "config": to_plain(b),
     }
     if ctx.is_rank0:

@@ -1,4 +1,4 @@
-"""Export/load the drafter in the layout vLLM's `dflash` (or, for a DSpark drafter, `dspark`) method loads.
+"""Export/load the drafter in the layout vLLM's `dflash` (a DSpark drafter: `dspark`) method loads (docs/architecture.md, "Drafter and training objective").
 
 vLLM (model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM.load_weights) prefixes every
 checkpoint name with `model.`, folds q/k/v into qkv_proj and gate/up into gate_up_proj, takes

@@ -102,8 +102,8 @@ def verify_round(tm: TargetModel, state: TargetState, method: Method, drafted: A
     post = sample(tm.lm_head(h[0]), temperature, gen).tolist()  # (n,) the target's token after each node
     timer.lap("verify")
     path = walk(tree, post)
+    state.commit(path)
     rows = torch.tensor(path, device=tm.device, dtype=torch.long)
-    state.commit(rows)
     method.observe(Features(taps[:, rows] if taps is not None else None, h[:, rows]))
     timer.lap("commit")
     return Round([tree.tokens[i] for i in path], post[path[-1]])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,10 +23,10 @@ from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import eval_prompt_sets
 from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.runtime import dtype_named, init_distributed, pick_device
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BEST_NOTE = "best DDTree budget = highest decode tokens/s, chosen on the evaluation data itself (as published numbers do)"
 
 
@@ -38,20 +37,9 @@ def evaluate_config(ctx) -> EvaluateConfig:
     return cfg
 
 
-def pick_device(cfg: EvaluateConfig, local_rank: int) -> torch.device:
-    if cfg.gpus > 0:
-        if not torch.cuda.is_available():
-            raise StageError(f"evaluate.gpus={cfg.gpus}: no CUDA device visible (set evaluate.gpus=0 for CPU)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> torch.dtype:
     name = cfg.dtype or (target_dtype if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise StageError(f"evaluate.dtype: {name!r} is not one of {list(DTYPES)}")
-    return DTYPES[name]
+    return dtype_named("evaluate.dtype", name)
 
 
 def drafter_kind(cfg) -> str:
@@ -99,11 +87,6 @@ def check_drafter(dcfg, info: dict[str, Any], where) -> None:
         raise StageError(f"{where}: drafter does not fit this target: " + "; ".join(problems))
 
 
-def init_distributed(ctx, device: torch.device) -> None:
-    if ctx.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=120))
-
-
 def gather_records(ctx, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if ctx.world_size == 1:
         return records
@@ -118,14 +101,15 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(cfg.methods, cfg.budgets)
-    if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
-        raise StageError(f"evaluate.temperatures: {cfg.temperatures} must be a non-empty list of values >= 0")
-    if cfg.max_new_tokens < 1:
-        raise StageError(f"evaluate.max_new_tokens: {cfg.max_new_tokens} must be >= 1")
+    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+        from draftforge.drafter.config import check_drafter_target
+
+        ctx.input_marker("train")
+        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
-    device = pick_device(cfg, ctx.local_rank)
-    init_distributed(ctx, device)
+    device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)
+    init_distributed(ctx.world_size, device, timeout_min=120)
     if device.type == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)

@@ -1,6 +1,6 @@
 """Capture the tapped layers of a HF decoder with forward hooks; stop after the last tap.
 
-Convention (DESIGN.md §3, §9): layer id L = output of decoder layer L (0-based) = HF
+Convention (docs/architecture.md, "Layer taps"): layer id L = output of decoder layer L (0-based) = HF
 `hidden_states[L + 1]` (index 0 is the embeddings). The full tuple of all layers is never built:
 a hook on each tapped layer keeps only the non-padding rows, and the hook of the last tap raises a
 private exception so later layers, the final norm and the LM head never run.

@@ -76,14 +76,6 @@ def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, n_taps: int,
     return rows.view(n, -1).to(dtype)
 
 
-def sha256_path(path: str | Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _header(tensors: dict[str, torch.Tensor]) -> bytes:
     """safetensors header: u64 length + JSON (tensors in the given order), space-padded to 8 bytes."""
     meta: dict[str, object] = {"__metadata__": {"format": FORMAT}}

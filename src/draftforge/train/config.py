@@ -1,7 +1,9 @@
 """Typed config of the `train` stage (torch-free). Owned by the train stage.
 
-Defaults are the published DFlash recipe (AdamW 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
-512 anchors, max length 3072, bf16 on GPU). CPU worlds scale num_anchors / max_steps down.
+Defaults are the published DFlash recipe as the reference training code (SpecForge's
+`scripts/train_dflash.py`) runs it: AdamW lr 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
+512 anchors per sequence, max length 3072, bf16 on GPU, one sequence per rank per step.
+CPU worlds scale num_anchors / max_steps down in their experiment file.
 """
 
 from __future__ import annotations
@@ -9,24 +11,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from draftforge.errors import check
+
 
 @dataclass
 class TrainConfig:
     gpus: int = 0  # 0 = CPU (gloo, cpu_procs processes); N = torchrun over N GPUs (NCCL)
     cpu_procs: int = 1
     device: str = "auto"  # auto (cuda:LOCAL_RANK when CUDA exists and gpus > 0) | cpu | cuda
+    # offline: read the extract stage's feature store. online: the target runs beside the drafter and
+    # computes the tapped features of each batch from the curate shards (no extract stage, no store).
+    features: str = "offline"
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs; otherwise stop (and schedule) at this many steps
     lr: float = 6e-4
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # torch's AdamW defaults, which the reference trainer uses (SpecForge `specforge/optimizer.py`
+    # builds `torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)`, betas not set). No
+    # measurement here has preferred another value.
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     num_anchors: int = 512  # anchors per sequence, re-drawn each epoch
-    loss_gamma: float = 7.0  # slot weight w_k = exp(-(k-1)/gamma)
+    # Slot weight w_k = exp(-(k-1)/gamma). None: by block size (`train.loss.default_gamma`: 7 / 5 / 4
+    # for B = 16 / 10 / 8, the DFlash paper's values, which SpecForge's --loss-decay-gamma help repeats).
+    loss_gamma: Optional[float] = None
     max_seq_len: int = 3072  # longer sequences are truncated
-    batch_seqs: int = 1  # global batch in sequences per optimizer step (split across ranks)
+    # Sequences per rank per optimizer step; the global batch is batch_seqs x ranks (as the reference
+    # trainer's per-GPU --batch-size), so adding GPUs adds data per step and never refuses a world size.
+    batch_seqs: int = 1
     init_from_target: bool = True  # warm start draft layers from the target's last layers
     init_layers: Optional[List[int]] = None  # target layers to copy (None: the last num_layers)
     attn_impl: str = "auto"  # auto (flex on CUDA, dense SDPA mask on CPU) | flex | sdpa
@@ -42,6 +56,7 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
+
     # Drafter kind and DSpark heads (the drafter's own config group will own these once it exists).
     drafter_type: str = "dflash"  # dflash | dspark
     markov_rank: int = 256  # DSpark Markov head rank (0: none)
@@ -57,6 +72,18 @@ class TrainConfig:
     confidence_loss_weight: float = 1.0  # BCE of the confidence head vs the analytic acceptance 1 - tv
     loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
     init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
+
+    def __post_init__(self) -> None:
+        check(self.gpus >= 0, "train.gpus", f"{self.gpus} must be >= 0")
+        check(self.cpu_procs >= 1, "train.cpu_procs", f"{self.cpu_procs} must be >= 1")
+        check(self.device in ("auto", "cpu", "cuda"), "train.device", f"{self.device!r}: use one of auto, cpu, cuda")
+        check(self.lr > 0, "train.lr", f"{self.lr} must be > 0")
+        check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}: use -1 (all epochs) or >= 1")
+        check(self.batch_seqs >= 1, "train.batch_seqs", f"{self.batch_seqs} must be >= 1")
+        check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
+        check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
+        check(self.drafter_type in ("dflash", "dspark"), "train.drafter_type", f"{self.drafter_type!r}: use dflash or dspark")
+        check(self.markov_rank >= 0, "train.markov_rank", f"{self.markov_rank} must be >= 0")
 
 
 def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:

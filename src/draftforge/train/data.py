@@ -100,7 +100,8 @@ class Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "Batch":
-        return self._map(lambda t: t.pin_memory())
+        pin = lambda t: t.pin_memory() if t.device.type == "cpu" else t  # noqa: E731  (online features: on the GPU already)
+        return self._map(pin)
 
 
 def collate(
@@ -116,8 +117,8 @@ def collate(
     N = max(1, max(int(a.numel()) for a in anchors))
     F = seqs[0][2].shape[-1]
     has_last = all(len(s) > 3 and s[3] is not None for s in seqs)
-    tapped = torch.zeros(S, T, F, dtype=feat_dtype)
-    last = torch.zeros(S, T, seqs[0][3].shape[-1], dtype=feat_dtype) if has_last else None
+    tapped = torch.zeros(S, T, F, dtype=feat_dtype, device=seqs[0][2].device)  # online features stay on their device
+    last = torch.zeros(S, T, seqs[0][3].shape[-1], dtype=feat_dtype, device=seqs[0][3].device) if has_last else None
     anc = torch.zeros(S, N, dtype=torch.long)
     targets = torch.zeros(S, N, B, dtype=torch.long)
     prev = torch.zeros(S, N, B, dtype=torch.long)

@@ -1,8 +1,9 @@
 """The training loop: DFlash blocks, decayed CE, AdamW + cosine/warmup, clip, DDP, eval, resume.
 
-Distributed invariant: the loss is normalized by the *global* sum of valid-slot weights and scaled
-by the world size (DDP averages gradients), so W ranks sharing a global batch compute exactly the
-gradient one process computes on that batch.
+Distributed invariant: each rank takes `batch_seqs` sequences per step (global batch = batch_seqs x
+world); the loss is normalized by the *global* sum of valid-slot weights and scaled by the world size
+(DDP averages gradients), so W ranks of b sequences compute exactly the gradient one process computes
+on the same W*b sequences.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
 from draftforge.train.config import TrainConfig, effective_loss_weights
-from draftforge.train.data import Batch, FeatureSource, Prefetcher, collate, draw_anchors, epoch_order, rank_share, truncate
+from draftforge.train.data import (
+    Batch,
+    FeatureSource,
+    Prefetcher,
+    collate,
+    draw_anchors,
+    epoch_order,
+    rank_share,
+    truncate,
+)
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
@@ -64,9 +74,14 @@ class TrainResult:
     throughput: dict[str, float] | None = None
 
 
-def total_steps(cfg: TrainConfig, n_seq: int) -> tuple[int, int]:
+def global_batch(cfg: TrainConfig, world: int) -> int:
+    """Sequences per optimizer step over all ranks."""
+    return cfg.batch_seqs * max(1, world)
+
+
+def total_steps(cfg: TrainConfig, n_seq: int, world: int = 1) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps)."""
-    per_epoch = -(-n_seq // cfg.batch_seqs)
+    per_epoch = -(-n_seq // global_batch(cfg, world))
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     return per_epoch, total
 
@@ -108,7 +123,7 @@ def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> It
     step = start_step
     while step < total:
         epoch, in_epoch = divmod(step, per_epoch)
-        order = epoch_order(len(inp.train_source), cfg.batch_seqs, cfg.seed, epoch)
+        order = epoch_order(len(inp.train_source), global_batch(cfg, inp.world), cfg.seed, epoch)
         for seqs_of_step in order[in_epoch:]:
             if step >= total:
                 return
@@ -288,9 +303,9 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
 def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     """Train (or resume) to cfg's total steps; `stop_at_step` simulates an interruption (tests)."""
     cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
-    if cfg.batch_seqs % inp.world:
-        raise ValueError(f"train.batch_seqs={cfg.batch_seqs} must be a multiple of the world size {inp.world}")
-    per_epoch, total = total_steps(cfg, len(inp.train_source))
+    if cfg.batch_seqs < 1:
+        raise ValueError(f"train.batch_seqs={cfg.batch_seqs}: need >= 1 sequence per rank")
+    per_epoch, total = total_steps(cfg, len(inp.train_source), inp.world)
     dtype = compute_dtype(cfg, inp.device)
     model = build_model(inp)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -336,7 +351,7 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
         if best is None or metrics["val_sim_tau"] > best["val_sim_tau"]:
             best = dict(metrics)
             if rank0:
-                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best})
+                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best, "resume_key": inp.resume_key})
         if rank0 and inp.logger is not None:
             inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=at)
         if rank0:

@@ -1,4 +1,4 @@
-"""Decayed block cross-entropy and the acceptance metrics (DESIGN.md §4, training objective).
+"""Decayed block cross-entropy and the acceptance metrics (docs/architecture.md, "Drafter and training objective").
 
 Slot k (1..B-1) of a block predicts the token at anchor+k with weight w_k = exp(-(k-1)/gamma);
 slot 0 (the anchor itself) and unsupervised / out-of-sequence slots do not count. The loss is
@@ -13,9 +13,29 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# gamma by block size, the DFlash paper's values (SpecForge's trainer suggests the same: "7 for
+# block_size=16, 5 for 10, 4 for 8"). Larger blocks keep more weight on late slots.
+GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
 
-def slot_weights(block_size: int, gamma: float, first_slot: int = 1) -> torch.Tensor:
-    """(B,) float32: w_k = 0 for k < first_slot, exp(-(k-first_slot)/gamma) after (first draft: 1)."""
+
+def default_gamma(block_size: int) -> float:
+    """The published gamma for B = 8 / 10 / 16; other sizes: piecewise linear through those points
+    (B/2 up to 10, then +1/3 per slot), so the weight of the last slot stays comparable."""
+    if block_size in GAMMA_BY_BLOCK:
+        return GAMMA_BY_BLOCK[block_size]
+    if block_size <= 10:
+        return max(1.0, block_size / 2)
+    return 5.0 + (block_size - 10) / 3
+
+
+def resolve_gamma(gamma: float | None, block_size: int) -> float:
+    return float(gamma) if gamma is not None else default_gamma(block_size)
+
+
+def slot_weights(block_size: int, gamma: float | None, first_slot: int = 1) -> torch.Tensor:
+    """(B,) float32: w_k = 0 for k < first_slot, exp(-(k-first_slot)/gamma) after (first draft: 1;
+    gamma None: by block size)."""
+    gamma = resolve_gamma(gamma, block_size)
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - first_slot) / gamma)
     w[:first_slot] = 0.0
@@ -80,7 +100,6 @@ def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor, first_slot: int = 1
     prefix lengths over blocks, number of blocks]. Simulated acceptance of a block = 1 + length of
     the prefix of slots 1..B-1 whose argmax is right (an invalid slot ends the prefix).
     """
-    B = out.valid.shape[-1]
     correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
     valid_per_slot = out.valid.sum(dim=(0, 1)).float()
     prefix = torch.cumprod(out.correct[..., first_slot:].long(), dim=-1).sum(-1).float()  # (S, N)
