@@ -72,3 +72,24 @@ def test_torchrun_data_parallel_cpu(tmp_path):
     assert sorted({r["prompt_index"] for r in per["responses"]}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
     assert len(per["responses"]) == 3 * 4
     assert all(r["n_prompts"] == 3 and r["lossless_mismatches"] == 0 for r in per["rows"])
+
+
+def test_stage_with_a_dspark_drafter_runs_markov_methods_losslessly(tmp_path):
+    tiny_pipeline(tmp_path, dspark_rank=8)
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.datasets=[chitchat]",
+                                           "evaluate.methods=[ar,dflash,dspark,ddtree,ddtree_markov]"))
+    rows = json.loads((tmp_path / "smoke" / "evaluate" / "evaluate.json").read_text())["rows"]
+    got = [(r["method"], r["budget"]) for r in rows]
+    assert got == [("ar", None), ("dflash", None), ("dspark", None), ("ddtree", 1), ("ddtree", 32),
+                   ("ddtree_markov", 1), ("ddtree_markov", 32)]
+    assert all(r["lossless_mismatches"] == 0 for r in rows)
+    assert {r["drafter"] for r in rows if r["method"] != "ar"} == {"dspark"}
+    assert sum(r.get("best_budget", False) for r in rows) == 2  # one per tree method
+
+
+def test_dflash_drafter_refuses_markov_methods(tmp_path):
+    from draftforge.errors import StageError
+
+    tiny_pipeline(tmp_path)
+    with pytest.raises((StageError, SystemExit)):
+        run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.methods=[ar,ddtree_markov]"))

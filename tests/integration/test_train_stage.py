@@ -89,3 +89,32 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     assert len(err) == 1 and "index.json" in err[0] and ("target" in err[0] or "tapped layers" in err[0]), proc.stderr[-2000:]
     assert keep.read_text() == "earlier output"
     assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
+
+
+def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
+    """train.drafter_type=dspark on features with the target's last layer → a DSpark export with analytic metrics;
+    the same features without the last layer → one StageError naming the switch."""
+    from train_fixtures import load_target
+
+    import torch
+
+    model = load_target(tiny_target_info)
+    with_last = []
+    for ids, mask, taps in items:
+        with torch.no_grad():
+            with_last.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
+    _world(tmp_path, tiny_target_info, items)
+    bad = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1]
+    _world(tmp_path, tiny_target_info, with_last)
+    proc = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train"
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["markov_rank"] == 8 and cfg["sample_from_anchor"] is True
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert "val_analytic_tau" in metrics["best"] and "val_conf_ece" in metrics["best"]
+    from draftforge.drafter.dspark import DSparkDrafter
+    from draftforge.drafter.export import load_drafter
+
+    assert isinstance(load_drafter(out / "drafter"), DSparkDrafter)

@@ -200,3 +200,27 @@ def test_prompts_rendered_with_chat_template(tiny_target_info):
     assert first_turn_only(sets["s"][1]) == [{"role": "user", "content": "a"}]
     with pytest.raises(StageError, match="s/0"):
         render_sets(tok, {"s": [[{"role": "assistant", "content": "x"}]]})
+
+
+def test_dspark_plan_skips_with_the_exact_reason(tmp_path):
+    """A DFlash drafter → skip naming it; a DSpark drafter on CPU → vLLM's own refusal; on CUDA → the spec."""
+    import torch
+
+    from draftforge.baselines.spec import DSPARK_CPU_REASON
+    from draftforge.drafter import DFlashConfig, DFlashDrafter
+    from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
+    from draftforge.drafter.export import export_drafter
+
+    cfg = plain_cfg()
+    info = {**INFO, "num_layers": 4, "hidden_size": 64, "vocab_size": 300}
+    base = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=300, mask_token_id=3, target_layer_ids=[0, 2], block_size=4, target_num_layers=4)
+    export_drafter(DFlashDrafter(base), base, tmp_path / "dflash", dtype=torch.float32)
+    dcfg = DSparkConfig.from_dflash(base, markov_rank=4)
+    export_drafter(DSparkDrafter(dcfg), dcfg, tmp_path / "dspark", dtype=torch.float32)
+    assert "DFlash drafter" in plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dflash", device="cpu").skip_reason
+    cpu = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cpu")
+    assert cpu.skip_reason == DSPARK_CPU_REASON and "Model Runner V1 does not support: dspark" in cpu.skip_reason
+    assert "DSpark drafter" in plan_method("dflash", cfg.methods.dflash, info, tmp_path / "dspark").skip_reason
+    cuda = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cuda")
+    assert cuda.skip_reason is None and cuda.speculative_config["num_speculative_tokens"] == 4  # every slot drafts

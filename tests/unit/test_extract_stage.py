@@ -194,3 +194,25 @@ def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
     make_experiment(tmp_path, bad, LENGTHS)
     with pytest.raises(StageError, match=r"target\.json: drafter\.target_layer_ids \[1, 4\] must be strictly"):
         _run(tmp_path)
+
+
+def test_last_layer_stored_when_a_dspark_drafter_trains(tmp_path, tiny_target_info):
+    """train.drafter_type=dspark → shards carry last_hidden = the final-normed last layer (HF hidden_states[-1]),
+    the train source yields it as a 4th element, and the plan key differs from a taps-only run."""
+    from transformers import AutoModelForCausalLM
+
+    from draftforge.train.features import open_features
+
+    lengths = {"train": [[20, 9]], "val": [[12]]}
+    make_experiment(tmp_path, tiny_target_info, lengths)
+    index = _run(tmp_path, "train.drafter_type=dspark")
+    assert index["meta"]["last_hidden"] is True
+    train_src, val_src = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_info["hf_path"], dtype=torch.float32).eval()
+    model.set_attn_implementation("eager")
+    for i in range(len(train_src)):
+        ids, mask, hidden, last = train_src[i]
+        with torch.no_grad():
+            ref = model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(last, ref, atol=1e-4 * max(1.0, ref.abs().max().item())), i
+    assert len(val_src[0]) == 4

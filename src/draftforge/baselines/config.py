@@ -18,6 +18,7 @@ KNOWN_METHODS: Dict[str, Optional[str]] = {
     "ar": None,
     "ngram": "ngram",
     "dflash": "dflash",
+    "dspark": "dspark",
     "mtp": "mtp",
     "eagle3": "eagle3",
 }
@@ -26,9 +27,10 @@ KNOWN_METHODS: Dict[str, Optional[str]] = {
 @dataclass
 class MethodConfig:
     enabled: bool = True
-    # Draft tokens per step; null → dflash: block_size − 1 of the drafter, mtp: the target's MTP layers.
+    # Draft tokens per step; null → dflash: block_size − 1 of the drafter, dspark: the drafter's drafts per
+    # block (block_size with DSpark's default block), mtp: the target's MTP layers.
     num_speculative_tokens: Optional[int] = None
-    # Draft model folder; dflash: null → results/<exp>/train/drafter; eagle3: required.
+    # Draft model folder; dflash / dspark: null → results/<exp>/train/drafter; eagle3: required.
     model: Optional[str] = None
     # ngram only: n-gram window searched in prompt + output.
     prompt_lookup_min: Optional[int] = None
@@ -40,6 +42,7 @@ def _default_methods() -> Dict[str, MethodConfig]:
         "ar": MethodConfig(),
         "ngram": MethodConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
         "dflash": MethodConfig(),
+        "dspark": MethodConfig(),  # recorded skip unless the trained drafter is a DSpark drafter
         "mtp": MethodConfig(),
         "eagle3": MethodConfig(enabled=False, num_speculative_tokens=3),
     }

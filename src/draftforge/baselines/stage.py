@@ -70,7 +70,7 @@ def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
 
 
 def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
-    if "dflash" not in names or ctx.cfg.baselines.methods.dflash.model:
+    if not any(m in names and not ctx.cfg.baselines.methods[m].model for m in ("dflash", "dspark")):
         return None
     ctx.input_marker("train")  # clear error when training has not finished
     return ctx.input_dir("train") / "drafter"
@@ -151,13 +151,13 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
-    plans = {name: plan_method(name, b.methods[name], info, drafter_dir) for name in names}
+    device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device) for name in names}
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
-    device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
     settings = resolve_settings(b, info, device, longest, max_new)
     env = worker_env(device, settings.in_process_engine)
     log.info("baselines: methods %s on %s; %d prompts/dataset over %s; max_new_tokens %d; device %s",
@@ -184,6 +184,8 @@ def main(ctx: Any) -> None:
 
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
     all_rows = [row for name in names for row in rows_by_method[name]]
+    for row in all_rows:  # which drafter a row used (the report's `drafter` column)
+        row["drafter"] = row["method"] if row["method"] in ("dflash", "dspark") else None
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():

@@ -189,6 +189,10 @@ def read_exported_config(directory: str | Path) -> DFlashConfig:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    from draftforge.drafter.dspark import DSPARK_ARCHITECTURE, DSparkConfig
+
+    if hf.get("architectures") == [DSPARK_ARCHITECTURE]:
+        return DSparkConfig.from_hf_dict(hf, where=str(cfg_path))
     return DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
 
 

@@ -43,7 +43,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
                  for r in records if r["method"] == "ar"}
     ar_tpot = {(d, t): _mean([r["tpot_s"] for r in rs]) for (d, t, m, _), rs in groups.items() if m == "ar"}
     rows: list[Row] = []
-    order = {"ar": 0, "dflash": 1, "ddtree": 2}  # rows: AR, DFlash, then DDTree by budget
+    order = {"ar": 0, "dflash": 1, "dspark": 2, "ddtree": 3, "ddtree_markov": 4}  # chains, then trees by budget
     for (dataset, temp, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
@@ -87,15 +87,16 @@ def _ms(s: float | None) -> float | None:
 
 
 def mark_best(rows: list[dict[str, Any]]) -> None:
-    """Flag the DDTree budget with the highest tokens/s per (dataset, temperature): chosen on the
-    evaluation data itself, as the published numbers do."""
+    """Flag the budget with the highest tokens/s per (dataset, temperature) of each tree method: chosen on
+    the evaluation data itself, as the published numbers do."""
+    trees = ("ddtree", "ddtree_markov")
     best: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] != "ddtree" or row["tokens_per_s"] is None:
+        if row["method"] not in trees or row["tokens_per_s"] is None:
             continue
-        k = (row["dataset"], row["temperature"])
+        k = (row["dataset"], row["temperature"], row["method"])
         if k not in best or row["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = row
     for row in rows:
-        if row["method"] == "ddtree":
-            row["best_budget"] = best.get((row["dataset"], row["temperature"])) is row
+        if row["method"] in trees:
+            row["best_budget"] = best.get((row["dataset"], row["temperature"], row["method"])) is row

@@ -22,7 +22,7 @@ from draftforge.errors import StageError
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
 KNOWN_METHODS = ("ar", *METHODS)
-TREE_METHODS = ("ddtree",)  # methods swept over evaluate.budgets
+TREE_METHODS = ("ddtree", "ddtree_markov")  # methods swept over evaluate.budgets
 
 
 @dataclass

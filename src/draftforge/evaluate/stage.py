@@ -42,6 +42,12 @@ def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> 
     return dtype_named("evaluate.dtype", name)
 
 
+def drafter_kind(cfg) -> str:
+    from draftforge.drafter.dspark import is_dspark
+
+    return "dspark" if is_dspark(cfg) else "dflash"
+
+
 def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
     from draftforge.engine import wrap_target
     from draftforge.target.load import load_target_model, load_tokenizer
@@ -53,6 +59,12 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
         ctx.input_marker("train")
         drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
         check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
+        from draftforge.drafter.dspark import is_dspark
+
+        markov = [m for m, _ in plan if m in ("dspark", "ddtree_markov")]
+        if markov and not is_dspark(drafter.cfg):
+            raise StageError(f"evaluate.methods: {sorted(set(markov))} need a DSpark drafter; "
+                             f"{ctx.input_dir('train') / 'drafter'} is a DFlash drafter (it runs dflash / ddtree)")
     model = load_target_model(info, dtype=dtype, device=str(device))
     taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
     try:
@@ -115,6 +127,8 @@ def main(ctx) -> None:
         if not ctx.is_rank0:
             continue
         rows = aggregate(records)
+        for row in rows:  # which drafter produced the row (None for AR)
+            row["drafter"] = None if row["method"] == "ar" or es.drafter is None else drafter_kind(es.drafter.cfg)
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
         write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
@@ -147,7 +161,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
         budget = row["budget"] if row["budget"] is not None else ""
         tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
                 "engine": "draftforge", "temperature": row["temperature"]}
-        if row["method"] == "ddtree":
+        if row["method"] in ("ddtree", "ddtree_markov"):
             tags["best_budget"] = row.get("best_budget", False)
         name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:

@@ -87,11 +87,17 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                          f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip
     device = pick_device("extract.device", cfg.device, cfg.gpus, ctx.local_rank)
     dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
+    from draftforge.train.config import needs_last_layer
+
+    store_last = needs_last_layer(ctx.cfg)  # the target's next-token distribution for the trainer
+    extra_key = {"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
+                 "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch}
+    if store_last:  # only then: plans (and resumable shards) without it keep their key
+        extra_key["last_hidden"] = True
     plan = plan_extraction(
         ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,
         tokens_per_shard=cfg.tokens_per_shard, seqs_per_shard=cfg.seqs_per_shard, sort_window=cfg.sort_window,
-        extra_key={"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
-                   "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch},
+        extra_key=extra_key,
     )  # fmt: skip
     shard_dir = Path(ctx.work_dir) / "shards" / plan.key
     dist = Dist(ctx.rank, ctx.world_size, device, cfg.dist_timeout_min)
@@ -116,7 +122,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
         stats = run_rank(
             plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
             tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
-            stop_after_last_tap=cfg.stop_after_last_tap, progress=True, stop_after=stop_after,
+            stop_after_last_tap=cfg.stop_after_last_tap, store_last=store_last, progress=True, stop_after=stop_after,
             writer_threads=cfg.writer_threads,
         )  # fmt: skip
         write_json(shard_dir / f"stats-rank{ctx.rank}.json", {**stats.as_dict(), "world_size": ctx.world_size,
@@ -128,7 +134,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
             return None
         meta = {"target_name": info["name"], "compute_dtype": str(dtype).removeprefix("torch."),
                 "attn_implementation": attn, "device": device.type, "max_seq_len": cfg.max_seq_len,
-                "n_truncated": plan.n_truncated}  # fmt: skip
+                "n_truncated": plan.n_truncated, "last_hidden": store_last}  # fmt: skip
         return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
                         fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta)  # fmt: skip
     finally:

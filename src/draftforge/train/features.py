@@ -35,6 +35,7 @@ class ShardedSource:
             total += int(e["n_seqs"])
         self._n = total
         self._open: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        self.has_last: bool | None = None  # shards carry `last_hidden` (known after the first shard opens)
 
     def __len__(self) -> int:
         return self._n
@@ -49,7 +50,9 @@ class ShardedSource:
                 fh = safe_open(str(path), framework="pt")
                 offsets = fh.get_tensor("offsets")
                 ids, mask = fh.get_tensor("input_ids"), fh.get_tensor("loss_mask")
-                has_scale = "hidden_scale" in set(fh.keys())
+                keys = set(fh.keys())
+                has_scale = "hidden_scale" in keys
+                self.has_last = "last_hidden" in keys
             except Exception as exc:
                 raise StageError(f"{path}: unreadable shard ({type(exc).__name__}: {exc})") from None
             if offsets.shape[0] != int(entry["n_seqs"]) + 1 or int(offsets[-1]) != int(entry["n_tokens"]):
@@ -66,6 +69,9 @@ class ShardedSource:
         a, b = int(offsets[s]), int(offsets[s + 1])
         scale = fh.get_slice("hidden_scale")[a:b] if has_scale else None
         hidden = decode_hidden(fh.get_slice("hidden")[a:b], scale, self.reader.n_taps, self.dtype)
+        if self.has_last:  # the target's final-normed last layer: a 4th element
+            last = fh.get_slice("last_hidden")[a:b].to(self.dtype)
+            return ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), hidden, last  # type: ignore[return-value]
         return ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), hidden
 
 

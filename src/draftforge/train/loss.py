@@ -32,12 +32,13 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
     return float(gamma) if gamma is not None else default_gamma(block_size)
 
 
-def slot_weights(block_size: int, gamma: float | None) -> torch.Tensor:
-    """(B,) float32: w_0 = 0, w_k = exp(-(k-1)/gamma) for k >= 1 (gamma None: by block size)."""
+def slot_weights(block_size: int, gamma: float | None, first_slot: int = 1) -> torch.Tensor:
+    """(B,) float32: w_k = 0 for k < first_slot, exp(-(k-first_slot)/gamma) after (first draft: 1;
+    gamma None: by block size)."""
     gamma = resolve_gamma(gamma, block_size)
     k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+    w = torch.exp(-(k - first_slot) / gamma)
+    w[:first_slot] = 0.0
     return w
 
 
@@ -92,7 +93,7 @@ def block_losses(
     return BlockOutputs(weighted, wv.sum().detach(), correct.view(S, N, B), valid)
 
 
-def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor) -> torch.Tensor:
+def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor, first_slot: int = 1) -> torch.Tensor:
     """Sums for per-slot accuracy and simulated acceptance, as one vector (all-reducible).
 
     anchor_real (S, N) bool. Layout: [correct per slot (B), valid per slot (B), sum of accepted
@@ -101,18 +102,18 @@ def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor) -> torch.Tensor:
     """
     correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
     valid_per_slot = out.valid.sum(dim=(0, 1)).float()
-    prefix = torch.cumprod(out.correct[..., 1:].long(), dim=-1).sum(-1).float()  # (S, N)
+    prefix = torch.cumprod(out.correct[..., first_slot:].long(), dim=-1).sum(-1).float()  # (S, N)
     accepted = (prefix * anchor_real).sum().reshape(1)
     blocks = anchor_real.sum().float().reshape(1)
     return torch.cat([correct_per_slot, valid_per_slot, accepted, blocks])
 
 
-def summarize(stats: torch.Tensor, block_size: int) -> dict[str, float]:
+def summarize(stats: torch.Tensor, block_size: int, first_slot: int = 1) -> dict[str, float]:
     """Metrics from (possibly all-reduced) slot_stats sums: acc_slot_k, acc, sim_tau."""
-    B = block_size
+    B, f = block_size, first_slot
     correct, valid = stats[:B], stats[B : 2 * B]
     accepted, blocks = float(stats[2 * B]), float(stats[2 * B + 1])
-    metrics = {f"acc_slot_{k}": float(correct[k] / valid[k]) if valid[k] > 0 else 0.0 for k in range(1, B)}
-    metrics["acc"] = float(correct[1:].sum() / valid[1:].sum()) if valid[1:].sum() > 0 else 0.0
+    metrics = {f"acc_slot_{k}": float(correct[k] / valid[k]) if valid[k] > 0 else 0.0 for k in range(f, B)}
+    metrics["acc"] = float(correct[f:].sum() / valid[f:].sum()) if valid[f:].sum() > 0 else 0.0
     metrics["sim_tau"] = 1.0 + accepted / blocks if blocks > 0 else 1.0
     return metrics

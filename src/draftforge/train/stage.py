@@ -1,4 +1,4 @@
-"""`train` stage: DFlash drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
+"""`train` stage: a DFlash (or DSpark: train.drafter_type) drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
 
 `train.features=offline` reads the extract stage's feature store; `online` reads the curate shards
 and runs the target beside the drafter (train/online.py), in the same sequence order.
@@ -34,6 +34,20 @@ from draftforge.train.loop import TrainInputs, compute_dtype, global_batch, trai
 from draftforge.train.loss import resolve_gamma
 
 log = logging.getLogger(__name__)
+
+
+def drafter_config(cfg: TrainConfig, info: dict[str, Any]) -> DFlashConfig:
+    """The drafter's shape from target.json, with DSpark heads when train.drafter_type is dspark."""
+    base = DFlashConfig.from_target(info)
+    if cfg.drafter_type == "dflash":
+        return base
+    if cfg.drafter_type != "dspark":
+        raise StageError(f"train.drafter_type={cfg.drafter_type!r}: use dflash or dspark")
+    from draftforge.drafter.dspark import DSparkConfig
+
+    return DSparkConfig.from_dflash(base, markov_rank=cfg.markov_rank, enable_confidence_head=cfg.confidence_head,
+                                    confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.markov_rank > 0,
+                                    bonus_anchor=cfg.bonus_anchor)
 
 
 def train_config(ctx) -> TrainConfig:
@@ -73,7 +87,7 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     if cfg.features not in FEATURE_MODES:
         raise StageError(f"train.features={cfg.features!r}: use one of {list(FEATURE_MODES)}")
     info = read_target_info(ctx.input_marker("target"))
-    dcfg = DFlashConfig.from_target(info)
+    dcfg = drafter_config(cfg, info)
     if ctx.is_rank0:
         check_disk(ctx, dcfg, cfg, free_bytes)
     device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
@@ -92,6 +106,14 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             index_path = ctx.input_marker("extract")
             train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
             data_key = {"extract": sha256_file(index_path)}
+        from draftforge.train.loop import make_objective
+
+        obj = make_objective(cfg, dcfg)
+        if obj is not None and obj.needs_target and len(train_src[0]) < 4:
+            where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
+            raise StageError(f"{where}: the {cfg.drafter_type} objective {obj.weights} needs the target's last-layer "
+                             "states, which these features do not carry; offline: rerun extract with this train "
+                             "config (draftforge.train.config.needs_last_layer decides what extract stores)")
         if val_src is None:
             log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
