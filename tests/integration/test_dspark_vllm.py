@@ -25,11 +25,9 @@ SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
 def _vllm_side(target_dir: str, drafter_dir: str, n_spec: int, dist_file: str, prev_file: str) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
-
-    from vllm.config import VllmConfig
 
     args = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
                       speculative_config={"method": "dspark", "model": drafter_dir, "num_speculative_tokens": n_spec})

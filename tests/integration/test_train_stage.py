@@ -94,9 +94,9 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
 def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
     """train.drafter_type=dspark on features with the target's last layer → a DSpark export with analytic metrics;
     the same features without the last layer → one StageError naming the switch."""
-    from train_fixtures import load_target
-
     import torch
+
+    from train_fixtures import load_target
 
     model = load_target(tiny_target_info)
     with_last = []

@@ -9,14 +9,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, synthetic_items  # noqa: E402
-
 from draftforge.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
 from draftforge.drafter.export import export_drafter  # noqa: E402
 from draftforge.train.config import TrainConfig, needs_last_layer  # noqa: E402
 from draftforge.train.data import collate  # noqa: E402
 from draftforge.train.loop import build_model, train  # noqa: E402
+from train_fixtures import load_target, make_inputs, synthetic_items  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_dspark_drafter, tiny_target  # noqa: E402
 from test_engine import _chi2_critical, _exact_joint  # noqa: E402
 
-from draftforge.engine import generate, generate_ar, make_method  # noqa: E402
+from draftforge.engine import (  # noqa: E402
+    generate,
+    generate_ar,
+    make_method,
+    wrap_target,  # noqa: E402
+)
 from draftforge.engine.dspark import build_markov_tree  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
-from draftforge.engine import wrap_target  # noqa: E402
+from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_dspark_drafter, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

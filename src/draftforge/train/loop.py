@@ -36,8 +36,8 @@ from draftforge.train.data import (
     rank_share,
     truncate,
 )
-from draftforge.train.head import FrozenTargetHead
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
+from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
 
 log = logging.getLogger(__name__)
