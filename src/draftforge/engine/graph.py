@@ -125,6 +125,9 @@ class CapturedEngine:
         self.graphs = (tm.device.type == "cuda") if graphs is None else bool(graphs)
         if self.graphs and tm.device.type != "cuda":
             raise ValueError("captured engine: CUDA graphs need a CUDA target (graphs=False runs the static step eagerly)")
+        if self.graphs and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
+            raise ValueError("captured engine: MoE MLPs route tokens with data-dependent shapes and cannot be captured "
+                             "in a CUDA graph; use the eager engine (or graphs=False) for this target")
         self.capacity = _align(int(capacity))
         self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
         dev, dt = tm.device, tm.dtype
@@ -270,7 +273,10 @@ class CapturedEngine:
             t0 = time.perf_counter()
             self.state.length = 0
             self._fill(b, [0] * n, list(range(-1, n - 1)), list(range(n)))  # a valid chain: finite warm-up rows
-            b.graph = _capture(lambda b=b: self._step(b), self.pool)
+            try:
+                b.graph = _capture(lambda b=b: self._step(b), self.pool)
+            except RuntimeError as e:
+                raise RuntimeError(f"captured engine: capturing the verify step of {n} tokens failed: {e}") from e
             torch.cuda.synchronize()
             self.capture_s[f"verify_{n}"] = time.perf_counter() - t0
         if self.drafter is not None:
@@ -393,7 +399,7 @@ class _StaticDrafter:
         b_cos, b_sin = self._rope(bslots)
         vis = self.cols < bslots[-1:] + 1  # committed context and the block (non-causal)
         mask = torch.zeros((), device=vis.device, dtype=self.dt).masked_fill(~vis, float("-inf"))
-        mask = mask.expand(self.group * B, self.cap)[None, None]
+        mask = mask.expand(self.group * B, self.cap).contiguous()[None, None]
         h = self.eng.tm.embed(ids).to(self.dt)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
