@@ -122,3 +122,19 @@ def test_buckets_and_errors():
     with pytest.raises(CapacityError, match="exceed the fixed capacity"):
         generate(tm, make_method("ddtree", tm, d, 16), p, 110, engine=eng)
     assert generate(tm, make_method("ddtree", tm, d, 16), p, 8, engine=eng).tokens == generate(tm, None, p, 8).tokens
+
+
+def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
+    from draftforge.errors import StageError
+    from draftforge.evaluate.config import EvaluateConfig
+    from draftforge.evaluate.runner import method_plan
+    from draftforge.evaluate.stage import captured_engine
+
+    tm = tiny_target(seed=7)
+    d = tiny_drafter(tm, seed=7)
+    plan = method_plan(["ar", "dflash", "ddtree"], [4, 16])
+    assert captured_engine(EvaluateConfig(), tm, d, plan) is None  # default: eager
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, plan)
+    assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
+    with pytest.raises(StageError, match="evaluate.engine"):
+        captured_engine(EvaluateConfig(engine="graph"), tm, d, plan)
