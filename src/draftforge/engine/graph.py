@@ -92,8 +92,11 @@ class _Bucket:
     h: torch.Tensor  # (1, n, H) final-normed
     logits: torch.Tensor  # (n, V)
     taps: torch.Tensor | None  # (1, n, n_taps·H)
+    ar: torch.Tensor  # host arange(n)
     graph: Any = None
     n_real: int = 0
+    chain: tuple[torch.Tensor, torch.Tensor] | None = None  # cached structure of the full chain
+    anc_is_chain: bool = False  # the device ancestor buffer holds the full chain
 
 
 @dataclass
@@ -159,6 +162,7 @@ class CapturedEngine:
                 h=torch.zeros(1, n, tm.hidden_size, device=dev, dtype=dt),
                 logits=torch.zeros(n, tm.vocab_size, device=dev, dtype=dt),
                 taps=torch.zeros(1, n, n_taps * tm.hidden_size, device=dev, dtype=dt) if n_taps else None,
+                ar=torch.arange(n),
             )
         self.drafter = _StaticDrafter(self, drafter) if drafter is not None else None
         self.pool = None
@@ -189,24 +193,44 @@ class CapturedEngine:
         if past + n > self.capacity:
             raise CapacityError(f"captured engine: {past} committed + a verify bucket of {n} exceed the fixed "
                                 f"capacity of {self.capacity}; build the engine with a larger capacity")
+        m, nb = b.hmeta, b.meta.device.type == "cuda"
+        full_chain = r == n and list(parents) == list(range(-1, n - 1))
+        if full_chain:  # AR step / DFlash chain: only ids and positions change (structure rows cached)
+            if b.chain is None:
+                b.chain = self._structure(list(range(-1, n - 1)), list(range(n)), n)
+            m[5:], m[2], m[4] = b.chain[0][5:], b.chain[0][2], b.chain[0][4]
+            m[0] = torch.as_tensor(list(tokens), dtype=torch.long)
+            m[1] = past + m[2]
+            m[3] = past + b.ar
+            b.meta.copy_(m, non_blocking=nb)
+            if not b.anc_is_chain:
+                b.anc.copy_(b.chain[1], non_blocking=nb)
+                b.anc_is_chain = True
+        else:
+            struct, anc = self._structure(list(parents), list(depths), n)
+            m.copy_(struct)
+            m[0, :r] = torch.as_tensor(list(tokens), dtype=torch.long)
+            m[0, r:] = 0
+            m[1] = past + m[2]
+            m[3] = past + b.ar
+            b.hanc.copy_(anc)
+            b.meta.copy_(m, non_blocking=nb)
+            b.anc.copy_(b.hanc, non_blocking=nb)
+            b.anc_is_chain = False
+        b.n_real = r
+
+    def _structure(self, parents: list[int], depths: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host (5 + Kc, n) meta rows of a tree padded to n (rows 2, 4, 5.. filled) and its (n, n) ancestor matrix."""
+        r = len(parents)
         par = torch.full((n,), -1, dtype=torch.long)
         dep = torch.zeros(n, dtype=torch.long)
-        tok = torch.zeros(n, dtype=torch.long)
-        par[:r] = torch.as_tensor(list(parents), dtype=torch.long)
-        dep[:r] = torch.as_tensor(list(depths), dtype=torch.long)
-        tok[:r] = torch.as_tensor(list(tokens), dtype=torch.long)
-        m = b.hmeta
-        m[0] = tok
-        m[1] = past + dep
+        par[:r] = torch.as_tensor(parents, dtype=torch.long)
+        dep[:r] = torch.as_tensor(depths, dtype=torch.long)
+        m = torch.zeros(5 + self.kc, n, dtype=torch.long)
         m[2] = dep
-        m[3] = past + torch.arange(n)
-        m[4] = (torch.arange(n) < r).long()
+        m[4, :r] = 1
         m[5:] = gdn.ancestors_at(par, self.kc).T
-        b.hanc.copy_(ancestor_matrix(par.clamp(min=0), dep, int(dep.max())))
-        nb = b.meta.device.type == "cuda"
-        b.meta.copy_(m, non_blocking=nb)
-        b.anc.copy_(b.hanc, non_blocking=nb)
-        b.n_real = r
+        return m, ancestor_matrix(par.clamp(min=0), dep, int(dep.max()))
 
     def _step(self, b: _Bucket) -> None:
         """The static forward over bucket b's staged inputs (captured on CUDA)."""
