@@ -65,7 +65,7 @@ def test_captured_bf16_differences_are_rare_and_counted(arch: str) -> None:
 
     tm, d, eng = _setup(arch, torch.bfloat16, seed=1)
     equal = total = 0
-    for seed in range(6):
+    for seed in range(4):
         p = prompt(tm.vocab_size, 9, seed=100 + seed)
         ar = generate(tm, None, p, 32).tokens
         for name, b in [("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 256)]:
