@@ -53,6 +53,10 @@ class EvaluateConfig:
     warmup: int = 1  # prompts run (and discarded) per method before measuring
     seed: int = 0  # sampling seed at T > 0 (per prompt: seed + prompt index)
     dtype: str = ""  # "" → float32 on CPU, target.dtype on GPU
+    # Target/drafter steps: eager, or captured (static shapes at a fixed capacity, one CUDA graph per verify
+    # size on a GPU; on CPU the static step runs eagerly). Tokens are the same either way.
+    engine: str = "eager"
+    engine_capacity: int = 4096  # captured: KV rows (prompt + max_new_tokens + largest verify must fit)
     gsm_symbolic: GsmSymbolicEvalConfig = field(default_factory=GsmSymbolicEvalConfig)
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)
 

@@ -32,6 +32,7 @@ class EngineSet:
     tokenizer: Any
     eos_ids: list[int]
     max_new_tokens: int
+    engine: Any = None  # graph.CapturedEngine (evaluate.engine = captured) | None (eager)
 
 
 def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCfg]:
@@ -72,7 +73,7 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
         gen = torch.Generator(device=es.tm.device).manual_seed(seed)
     method = make_method(name, es.tm, es.drafter, budget)
     return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
-                    generator=gen)
+                    generator=gen, engine=es.engine)
 
 
 def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temperature: float,

@@ -72,7 +72,26 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     except ValueError as exc:
         raise StageError(f"{info['hf_path']}: {exc}") from None
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
-    return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens)
+    return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
+                     engine=captured_engine(cfg, tm, drafter, plan))
+
+
+def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
+    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method."""
+    if cfg.engine == "eager":
+        return None
+    if cfg.engine != "captured":
+        raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured']")
+    from draftforge.engine.graph import CapturedEngine, verify_buckets
+
+    block = drafter.cfg.block_size if drafter is not None else None
+    budgets = [b for _, b in plan if b is not None]  # tree methods: one bucket per budget + 1
+    try:
+        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter)
+    except ValueError as exc:
+        raise StageError(f"evaluate.engine=captured: {exc}") from None
+    eng.capture()
+    return eng
 
 
 def check_drafter(dcfg, info: dict[str, Any], where) -> None:
