@@ -28,7 +28,7 @@ def _setup(arch: str, dtype: torch.dtype, seed: int = 0):
     from draftforge.engine.graph import CapturedEngine, verify_buckets
     from engine_fixtures import tiny_drafter, tiny_hybrid_target, tiny_target
 
-    hybrid = arch.startswith("Qwen3_5") or arch.startswith("Qwen3Next")
+    hybrid = arch.startswith(("Qwen3_5", "Qwen3Next"))
     tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=seed)
     tm.hf.to("cuda", dtype)
     d = tiny_drafter(tm, seed=seed).to("cuda", dtype)

@@ -71,7 +71,7 @@ def test_padded_bucket_gives_the_real_nodes_the_same_outputs_and_state(arch):
         eng = CapturedEngine(tm, 128, buckets)
         st = eng.begin(SimpleNamespace(verify_size=buckets[0]), 11, 40)
         forward(tm, st, chain_span(p, 0, tm.dtype, commit_all=True))
-        logits, h, taps = eng.verify(tree)
+        logits, _, taps = eng.verify(tree)
         logits, taps = logits.clone(), taps.clone()
         path = [0]
         while True:  # the root path down each node's first child

@@ -29,8 +29,9 @@ does not fit the fixed capacity raises `CapacityError`; a method whose verify si
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,13 @@ import torch.nn.functional as F
 from draftforge.drafter.attention import apply_rope as drafter_rope
 from draftforge.engine import gdn
 from draftforge.engine.state import CapacityError, TargetState
-from draftforge.engine.target import TargetModel, attention_out, mlp, project_qkv, rope_tables
+from draftforge.engine.target import (
+    TargetModel,
+    attention_out,
+    mlp,
+    project_qkv,
+    rope_tables,
+)
 from draftforge.engine.tree import Tree, ancestor_matrix
 
 CAPACITY_ALIGN = 64  # KV rows rounded up so attention kernels see aligned mask/key lengths
@@ -122,7 +129,7 @@ class CapturedEngine:
     def __init__(self, tm: TargetModel, capacity: int, buckets: Sequence[int] = (1,), drafter: Any = None,
                  graphs: bool | None = None, gdn_mixers: bool = True) -> None:
         self.tm = tm
-        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
             raise BucketError(f"captured engine: verify buckets {self.buckets} must be >= 1")
         self.graphs = (tm.device.type == "cuda") if graphs is None else bool(graphs)
@@ -481,7 +488,7 @@ class _StaticDrafter:
             self._step()
         return self.logits.clone()
 
-    def context(self) -> "StaticDrafterContext":
+    def context(self) -> StaticDrafterContext:
         return StaticDrafterContext(self)
 
 
