@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16, help="measured rounds per method")
     ap.add_argument("--skip", type=int, default=3, help="rounds discarded at the start of each run")
     ap.add_argument("--reps", type=int, default=5, help="repeats per verify-probe size")
+    ap.add_argument("--lossless-prompts", type=int, default=0,
+                    help="also check DDTree (budget 64) == AR tokens on this many random prompts (eager engine)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -217,6 +219,15 @@ def main() -> None:
     if device.type == "cuda":
         report["weights_mib"] = torch.cuda.memory_allocated() / 2**20
     capacity = args.prompt_len + n_tok + max(vbudgets + rbudgets) + 1 + 64
+    if args.lossless_prompts:  # bf16 on a GPU: count prompts whose DDTree tokens differ from AR's (tie flips)
+        same = 0
+        for i in range(args.lossless_prompts):
+            p = torch.randint(10, spec.vocab_size, (64,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+            ar_toks = generate(tm, None, p, 32).tokens
+            tree_toks = generate(tm, make_method("ddtree", tm, drafter, 64), p, 32).tokens
+            same += ar_toks == tree_toks
+        report["lossless"] = {"prompts": args.lossless_prompts, "ddtree64_equal_ar": same, "new_tokens": 32}
+        print(f"[{args.target}] lossless: DDTree(64) == AR on {same}/{args.lossless_prompts} prompts", flush=True)
     for engine in engines:
         eng = None
         rec: dict = {"engine": engine}
