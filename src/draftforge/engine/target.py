@@ -135,7 +135,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (n,) → cos, sin (1, 1, n, rot) from the HF rotary module (handles scaling, partial rotary)."""
     probe = torch.empty(1, device=tm.device, dtype=tm.dtype)
-    cos, sin = tm.rotary(probe, positions[None])  # (1, n, rot)
+    pos = positions[None]  # (1, n)
+    if hasattr(tm.rotary, "mrope_section"):  # Qwen3.5 text: multimodal rope over (3, 1, n), text = 3 equal rows
+        pos = pos[None].expand(3, 1, -1)  # (older transformers do not expand a (1, n) input themselves)
+    cos, sin = tm.rotary(probe, pos)  # (1, n, rot)
     return cos[:, None], sin[:, None]
 
 
