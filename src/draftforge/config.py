@@ -60,7 +60,7 @@ PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "target": ("target",),
     "curate": ("target", "curate", *PROMPT_KEYS),
-    "extract": ("target", "extract"),
+    "extract": ("target", "extract", "train.mtp"),
     "train": ("target", "train"),
     "evaluate": ("target", "evaluate"),
     "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),

@@ -90,3 +90,28 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     assert len(err) == 1 and "index.json" in err[0] and ("target" in err[0] or "tapped layers" in err[0]), proc.stderr[-2000:]
     assert keep.read_text() == "earlier output"
     assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
+
+
+def test_stage_trains_mtp_head(tiny_target_info, tmp_path):
+    """train.mtp=true: features hold the drafter's taps + the last layer; the stage also trains an MTP
+    head and exports it in vLLM's MiMo MTP format (train/mtp/), loadable as the engine's head."""
+    from draftforge.drafter.mtp import feature_taps, load_mtp_head
+
+    taps = feature_taps(tiny_target_info, True)
+    assert taps[-1] == tiny_target_info["num_layers"] - 1
+    info_all = {**tiny_target_info, "drafter": {**tiny_target_info["drafter"], "target_layer_ids": taps}}
+    items = synthetic_items(info_all, 8, seed=6)
+    write_json(tmp_path / "smoke" / "target" / "target.json", tiny_target_info)
+    write_extract_index(tmp_path / "smoke" / "extract", {"train": items[:6], "val": items[6:]}, tiny_target_info, taps=taps)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([PY, "-m", "draftforge.train", *OVERRIDES, "train.max_steps=2", "train.mtp=true",
+                           "train.mtp_steps=6", "train.mtp_eval_every=3", "train.mtp_rows=16", f"results_root={tmp_path}"],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train"
+    mtp = json.loads((out / "metrics.json").read_text())["mtp"]
+    assert mtp["steps"] == 6 and [e["step"] for e in mtp["val_curve"]] == [3, 6] and mtp["format"] == "mimo"
+    cfg = json.loads((out / "mtp" / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    head = load_mtp_head(out / "mtp")
+    assert head.source == "trained" and head.form == "mimo" and head.hidden_size == tiny_target_info["hidden_size"]

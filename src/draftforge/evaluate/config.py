@@ -38,6 +38,7 @@ class EvaluateConfig:
     temperatures: List[float] = field(default_factory=lambda: [0.0])
     methods: List[str] = field(default_factory=lambda: ["ar", "dflash", "ddtree"])
     budgets: List[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024])
+    mtp_drafts: int = 3  # draft tokens per round of the `mtp` method (the MTP layer applied recursively)
     gpus: int = 0  # 0 = CPU; N = one model copy per GPU rank (torchrun --nproc_per_node N)
     warmup: int = 1  # prompts run (and discarded) per method before measuring
     seed: int = 0  # sampling seed at T > 0 (per prompt: seed + prompt index)

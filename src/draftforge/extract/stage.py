@@ -106,7 +106,9 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     target_json = ctx.input_marker("target")
     info = read_target_info(target_json)
     check_curate(ctx, info)
-    taps = list(info["drafter"].get("target_layer_ids") or [])
+    from draftforge.drafter.mtp import feature_taps
+
+    taps = feature_taps(info, bool(ctx.cfg.train.mtp))  # + the last layer when an MTP head is trained
     if not taps or sorted(set(taps)) != taps or taps[0] < 0 or taps[-1] >= int(info["num_layers"]):
         raise StageError(f"{target_json}: drafter.target_layer_ids {taps} must be strictly increasing ids "
                          f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip

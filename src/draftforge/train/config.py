@@ -42,3 +42,13 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
+    # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers, trained after the
+    # drafter from the same features (extract then also stores the last layer). Loss: CE of depths
+    # 1..mtp_depth applied recursively, on up to mtp_rows supervised rows per sequence and depth.
+    mtp: bool = False
+    mtp_steps: int = 2000
+    mtp_lr: float = 1e-3
+    mtp_depth: int = 2
+    mtp_rows: int = 256
+    mtp_val_drafts: int = 3  # val: per-depth accuracy and simulated τ of this many recursive drafts
+    mtp_eval_every: int = 500

@@ -25,8 +25,11 @@ SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class ShardedSource:
     """One split of an extract index as a random-access FeatureSource."""
 
-    def __init__(self, reader: FeatureReader, split: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, reader: FeatureReader, split: str, dtype: torch.dtype = torch.bfloat16,
+                 select: list[int] | None = None) -> None:
         self.reader, self.split, self.dtype = reader, split, dtype
+        # tap positions (in the index's tap order) to return; None = all
+        self.select = None if select is None or list(select) == list(range(reader.n_taps)) else list(select)
         self.entries: list[dict[str, Any]] = reader.shards(split)
         self._starts: list[int] = []
         total = 0
@@ -66,17 +69,25 @@ class ShardedSource:
         a, b = int(offsets[s]), int(offsets[s + 1])
         scale = fh.get_slice("hidden_scale")[a:b] if has_scale else None
         hidden = decode_hidden(fh.get_slice("hidden")[a:b], scale, self.reader.n_taps, self.dtype)
+        if self.select is not None:
+            hidden = hidden.view(b - a, self.reader.n_taps, -1)[:, self.select].reshape(b - a, -1)
         return ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), hidden
 
 
-def open_features(extract_dir: str | Path, info: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> tuple[ShardedSource, ShardedSource | None]:
-    """(train, val-or-None) sources; StageError on a different target or different taps."""
-    reader = FeatureReader(
-        extract_dir, target_fingerprint=info["fingerprint"], target_layer_ids=list(info["drafter"]["target_layer_ids"]), verify="lazy"
-    )
+def open_features(extract_dir: str | Path, info: dict[str, Any], dtype: torch.dtype = torch.bfloat16, *,
+                  mtp: bool = False, layers: list[int] | None = None) -> tuple[ShardedSource, ShardedSource | None]:
+    """(train, val-or-None) sources of the given tapped `layers` (default: the drafter's); StageError
+    on a different target or different taps. `mtp`: the index also holds the last layer (train.mtp)."""
+    from draftforge.drafter.mtp import feature_taps
+
+    stored = feature_taps(info, mtp)
+    reader = FeatureReader(extract_dir, target_fingerprint=info["fingerprint"], target_layer_ids=stored, verify="lazy")
+    layers = list(info["drafter"]["target_layer_ids"]) if layers is None else list(layers)
+    select = [stored.index(t) for t in layers]
     if reader.hidden_size != int(info["hidden_size"]):
         raise StageError(f"{reader.index_path}: hidden_size {reader.hidden_size} != target hidden_size {info['hidden_size']}")
     if "train" not in reader.splits or reader.num_sequences("train") == 0:
         raise StageError(f"{reader.index_path}: no `train` sequences to train on (splits {reader.splits})")
-    val = ShardedSource(reader, "val", dtype) if "val" in reader.splits and reader.num_sequences("val") > 0 else None
-    return ShardedSource(reader, "train", dtype), val
+    has_val = "val" in reader.splits and reader.num_sequences("val") > 0
+    val = ShardedSource(reader, "val", dtype, select) if has_val else None
+    return ShardedSource(reader, "train", dtype, select), val

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.mtp import wants_trained_head
 from draftforge.drafter.export import export_drafter
 from draftforge.errors import StageError
 from draftforge.io import sha256_file, sha256_json, write_json
@@ -64,7 +65,8 @@ def main(ctx) -> None:
     init_distributed(ctx, device, cfg.dist_timeout_min)
     try:
         dtype = compute_dtype(cfg, device)
-        train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=feat_dtype, mtp=cfg.mtp)
         if val_src is None:
             log.warning("extract index has no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
@@ -79,7 +81,12 @@ def main(ctx) -> None:
             inputs.logger = run
             result = train(inputs)
             if ctx.is_rank0:
-                _finish(ctx, cfg, dcfg, info, result, run, len(train_src))
+                mtp = None
+                if wants_trained_head(info, cfg.mtp):
+                    from draftforge.train.mtp import run_mtp_training
+
+                    mtp = run_mtp_training(ctx, cfg, info, device, run)
+                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), mtp)
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -89,10 +96,12 @@ def main(ctx) -> None:
 
 # Knobs that do not change what is computed (a resumed run may change them freely).
 _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
-                      "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors")
+                      "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors",
+                      "mtp", "mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
-def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int) -> None:
+def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int,
+            mtp: dict[str, Any] | None = None) -> None:
     """Export the selected weights, then write metrics.json (the marker) last."""
     best = load_best(ctx.work_dir / "checkpoints")
     model = result.model
@@ -122,7 +131,10 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "val_curve": [{k: e[k] for k in ("step", "val_loss", "val_acc", "val_sim_tau")} for e in result.evals],
         "train_curve": result.history[:: max(1, len(result.history) // 200)],
         "drafter": dcfg.to_dict(),
+        "mtp": mtp,  # the trained MTP head (train.mtp on, target without MTP layers) or None
     }
+    if mtp and mtp.get("best"):
+        run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
     if result.best:
         run.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})
     write_json(ctx.out_dir / STAGE_MARKERS["train"], metrics)
