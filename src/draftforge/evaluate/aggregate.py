@@ -41,7 +41,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
                  for r in records if r["method"] == "ar"}
     ar_tpot = {(d, t): _mean([r["tpot_s"] for r in rs]) for (d, t, m, _), rs in groups.items() if m == "ar"}
     rows = []
-    order = {"ar": 0, "dflash": 1, "ddtree": 2}  # rows: AR, DFlash, then DDTree by budget
+    order = {"ar": 0, "mtp": 1, "dflash": 2, "ddtree": 3}  # rows: AR, MTP, DFlash, then DDTree by budget
     for (dataset, temp, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
@@ -77,6 +77,8 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
             "draft_prefill_ms": _ms(_mean([r["draft_prefill_s"] for r in rs])) if method != "ar" else None,
             "status": "ok",
         })  # fmt: skip
+        if method == "mtp":
+            rows[-1]["mtp_source"] = rs[0].get("mtp_source")
     mark_best(rows)
     return rows
 

@@ -59,7 +59,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     from draftforge.target.load import load_target_model, load_tokenizer
 
     drafter = None
-    if any(m != "ar" for m, _ in plan):
+    if any(m not in ("ar", "mtp") for m, _ in plan):
         from draftforge.drafter import load_drafter
 
         ctx.input_marker("train")
@@ -72,7 +72,33 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     except ValueError as exc:
         raise StageError(f"{info['hf_path']}: {exc}") from None
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
-    return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens)
+    head = load_mtp(ctx, cfg, info, device, dtype) if any(m == "mtp" for m, _ in plan) else None
+    return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
+                     mtp=head)
+
+
+def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
+    """The `mtp` method's head: the target's own MTP layer when it has one, else the train stage's
+    trained head (train/mtp); a clear error when neither exists."""
+    from draftforge.drafter.mtp import load_mtp_head
+
+    if cfg.mtp_drafts < 1:
+        raise StageError(f"evaluate.mtp_drafts: {cfg.mtp_drafts} must be >= 1")
+    if int(info.get("mtp_layers") or 0) > 0:
+        where, source = info["hf_path"], "native"
+    else:
+        where, source = ctx.input_dir("train") / "mtp", "trained"
+        if not (where / "config.json").is_file():
+            raise StageError(f"evaluate.methods: 'mtp' needs an MTP head: target {info.get('name')!r} has no MTP "
+                             f"layers and {where} does not exist (train with train.mtp=true)")
+    try:
+        head = load_mtp_head(where, source=source, dtype=dtype, device=device)
+    except ValueError as exc:
+        raise StageError(f"evaluate.methods: 'mtp': {exc}") from None
+    if head.hidden_size != int(info["hidden_size"]):
+        raise StageError(f"{where}: MTP head width {head.hidden_size} != target hidden_size {info['hidden_size']}")
+    head.num_drafts = int(cfg.mtp_drafts)
+    return head
 
 
 def check_drafter(dcfg, info: dict[str, Any], where) -> None:
@@ -165,6 +191,8 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
                 "engine": "draftforge", "temperature": row["temperature"]}
         if row["method"] == "ddtree":
             tags["best_budget"] = row.get("best_budget", False)
+        if row.get("mtp_source"):
+            tags["mtp_source"] = row["mtp_source"]
         name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
             metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar",
