@@ -47,6 +47,10 @@ MIMO_NAMES = {"enorm.": "token_layernorm.", "hnorm.": "hidden_layernorm.", "proj
 QWEN3_5_NAMES = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.", "proj.": "fc.",
                  "final_norm.": "norm.", "layer.": "layers.0."}
 HEAD_CONFIG = "mtp_head.json"
+# vLLM builds an MTP draft model from the *target's* config (it expects the MTP layers in the target's
+# own checkpoint): serving a separate trained head beside a target without MTP layers needs this
+# override of the target's config (LLM(hf_overrides=...)); the weights come from the head's folder.
+MTP_TARGET_OVERRIDES = {"num_nextn_predict_layers": 1}
 
 
 def family_classes(model_type: str) -> tuple[type, type, type]:
