@@ -95,15 +95,15 @@ def add_comparisons(rows: list[dict[str, Any]], results: Mapping[str, Mapping[st
             row["lossless_mismatches"] = sum(1 for pid, toks in mine.items() if ref.get(pid) != toks)
 
 
-def standalone_dflash_tau(evaluate_marker: Path) -> dict[str, dict[str, Any]]:
-    """Our engine's DFlash rows at T = 0 per dataset, from the evaluate stage's marker (its `rows`)."""
+def standalone_dflash_tau(evaluate_marker: Path, method: str = "dflash") -> dict[str, dict[str, Any]]:
+    """Our engine's rows of `method` (DFlash by default) at T = 0 per dataset, from the evaluate stage's marker."""
     try:
         data = json.loads(evaluate_marker.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
     found: dict[str, dict[str, Any]] = {}
     for row in data.get("rows") or [] if isinstance(data, dict) else []:
-        if not isinstance(row, dict) or row.get("method") != "dflash" or row.get("engine") == ENGINE:
+        if not isinstance(row, dict) or row.get("method") != method or row.get("engine") == ENGINE:
             continue
         if row.get("tau") is None or float(row.get("temperature") or 0.0) != 0.0:
             continue
@@ -111,16 +111,17 @@ def standalone_dflash_tau(evaluate_marker: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, tolerance: float) -> dict[str, Any]:
-    """vLLM-DFlash τ beside our standalone DFlash τ, same prompts, T = 0 (|Δ| / standalone ≤ tolerance)."""
+def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, tolerance: float, method: str = "dflash") -> dict[str, Any]:
+    """vLLM τ beside our standalone τ of one method (DFlash, or the MTP head), same prompts, T = 0
+    (|Δ| / standalone ≤ tolerance)."""
     marker = evaluate_dir / "evaluate.json"
     block: dict[str, Any] = {"tolerance": tolerance, "source": str(marker), "datasets": {}, "all_within": None}
     if not marker.is_file():
         block["available"] = False
         block["reason"] = "no finished evaluate stage (evaluate.json): run evaluate, then rerun baselines"
         return block
-    ours = standalone_dflash_tau(marker)
-    vllm_rows = {r["dataset"]: r for r in rows if r["method"] == "dflash" and r["temperature"] == 0.0 and r.get("tau") is not None}
+    ours = standalone_dflash_tau(marker, method)
+    vllm_rows = {r["dataset"]: r for r in rows if r["method"] == method and r["temperature"] == 0.0 and r.get("tau") is not None}
     for dataset in sorted(set(ours) | set(vllm_rows)):
         mine, theirs = vllm_rows.get(dataset), ours.get(dataset)
         entry: dict[str, Any] = {
@@ -140,7 +141,7 @@ def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, toleranc
     if checked:
         block["all_within"] = all(checked)
     else:
-        block["reason"] = "no dataset has both a vLLM-DFlash τ and a standalone DFlash τ at T=0"
+        block["reason"] = f"no dataset has both a vLLM {method} τ and a standalone {method} τ at T=0"
     return block
 
 

@@ -102,6 +102,8 @@ def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: lis
         "status": result.get("status"),
         "reason": result.get("reason"),
         "speculative_config": plan.speculative_config,
+        "mtp_source": plan.source,
+        "llm_overrides": plan.llm_overrides,
         "num_speculative_tokens": plan.num_speculative_tokens,
         "log": str(log_path) if log_path else None,
         "rows": rows,
@@ -127,6 +129,8 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
         for row in record["rows"]:
             tags = {**base_tags, "method": name, "dataset": row["dataset"], "budget": "", "engine": ENGINE,
                     "temperature": row["temperature"], "status": row["status"]}  # fmt: skip
+            if row.get("mtp_source"):
+                tags["mtp_source"] = row["mtp_source"]
             if row.get("reason"):
                 tags["reason"] = str(row["reason"])[:4000]
             params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
@@ -148,7 +152,8 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
-    plans = {name: plan_method(name, b.methods[name], info, drafter_dir) for name in names}
+    mtp_dir = ctx.input_dir("train") / "mtp" if "mtp" in names else None  # a trained head, when train made one
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, mtp_dir) for name in names}
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
@@ -180,6 +185,10 @@ def main(ctx: Any) -> None:
     sweep = run_concurrency_sweep(ctx, names, plans, results, info, settings, segments, max_new, env)
 
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
+    for name in names:
+        if plans[name].source:  # mtp: "native" | "trained"
+            for row in rows_by_method[name]:
+                row["mtp_source"] = plans[name].source
     all_rows = [row for name in names for row in rows_by_method[name]]
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
@@ -189,6 +198,7 @@ def main(ctx: Any) -> None:
         write_json(ctx.out_dir / f"{name}.json", record)
 
     parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
+    parity_mtp = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance), method="mtp")
     marker = {
         "engine": ENGINE,
         "target": info["name"],
@@ -203,6 +213,7 @@ def main(ctx: Any) -> None:
         "rows": all_rows,
         "concurrency_rows": [row for name in names for row in sweep.get(name, [])],
         "parity": parity,
+        "parity_mtp": parity_mtp,  # the MTP head: vLLM τ vs the standalone engine's `mtp` τ
         "config": to_plain(b),
     }
     if ctx.is_rank0:

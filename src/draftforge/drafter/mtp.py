@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftforge.drafter.mtp_format import HEAD_CONFIG, MTP_TARGET_OVERRIDES, TRAINED_DEFAULT_DRAFTS  # noqa: F401
+
 FORMS = ("mimo", "qwen3_5")
 # model_type → (transformers package, decoder layer, RMSNorm, rotary embedding)
 FAMILIES = {
@@ -46,11 +48,6 @@ MIMO_NAMES = {"enorm.": "token_layernorm.", "hnorm.": "hidden_layernorm.", "proj
               "final_norm.": "final_layernorm.", "layer.": ""}
 QWEN3_5_NAMES = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.", "proj.": "fc.",
                  "final_norm.": "norm.", "layer.": "layers.0."}
-HEAD_CONFIG = "mtp_head.json"
-# vLLM builds an MTP draft model from the *target's* config (it expects the MTP layers in the target's
-# own checkpoint): serving a separate trained head beside a target without MTP layers needs this
-# override of the target's config (LLM(hf_overrides=...)); the weights come from the head's folder.
-MTP_TARGET_OVERRIDES = {"num_nextn_predict_layers": 1}
 
 
 def family_classes(model_type: str) -> tuple[type, type, type]:
