@@ -260,10 +260,15 @@ def trained_head_config(target: str | Path | dict[str, Any]):
     where = target if not isinstance(target, dict) else "target config"
     raw = _text_config(target if isinstance(target, dict) else json.loads((Path(target) / "config.json").read_text()))
     heads, H = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-    hd = raw.get("head_dim") or H // heads
-    if hd * heads != H:
-        raise ValueError(f"{where}: trained MTP head needs head_dim × heads == hidden ({hd} × {heads} != {H})")
+    kv = int(raw.get("num_key_value_heads") or heads)
+    hd = int(raw.get("head_dim") or H // heads)
     plain = {k: raw[k] for k in _QWEN2_KEYS if k in raw}
+    if hd * heads != H:  # a Qwen2 layer has head_dim = hidden / heads: keep the target's head_dim, fewer heads
+        if H % hd:
+            raise ValueError(f"{where}: trained MTP head needs hidden {H} divisible by head_dim {hd}")
+        heads = H // hd
+        kv = max(d for d in range(1, min(kv, heads) + 1) if heads % d == 0)
+        plain.update(num_attention_heads=heads, num_key_value_heads=kv)
     plain.update(num_hidden_layers=1, use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
     return _hf_config("qwen2", plain)
 

@@ -225,7 +225,7 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, norm: TargetNorm, train_s
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        rec = {"step": step + 1, "mtp_loss": float(loss), **{f"mtp_loss_{d}": v for d, v in enumerate(per, start=1)}}
+        rec = {"step": step + 1, "mtp_loss": float(loss.detach()), **{f"mtp_loss_{d}": v for d, v in enumerate(per, start=1)}}
         res.history.append(rec)
         if logger is not None and ((step + 1) % 25 == 0 or step + 1 == steps):
             logger.log_metrics({k: v for k, v in rec.items() if k != "step"}, step=step + 1)
@@ -246,9 +246,15 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
 
     last = int(info["num_layers"]) - 1
     train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32, mtp=True, layers=[last])
-    head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
+    from draftforge.errors import StageError
+
+    try:
+        head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
+        norm = TargetNorm.from_target(info)
+    except ValueError as exc:
+        raise StageError(f"train.mtp: {exc}") from None
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
-    res = train_mtp(head, frozen, TargetNorm.from_target(info), train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
+    res = train_mtp(head, frozen, norm, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
                     depth=cfg.mtp_depth, rows=cfg.mtp_rows, val_drafts=cfg.mtp_val_drafts,
                     eval_every=cfg.mtp_eval_every, max_len=cfg.max_seq_len, val_max_seqs=cfg.val_max_seqs,
                     seed=cfg.seed, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip or 1.0, device=device,
