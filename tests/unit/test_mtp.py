@@ -156,17 +156,15 @@ def test_mtp_accepts_on_a_copying_target():
 
 
 def test_mtp_sampling_matches_target_distribution():
-    """First 3 tokens at T=1 on a 4-token vocabulary (Qwen3.5 hybrid target + a Qwen3.5-form head):
-    Pearson chi-square vs the exact joint, α = 1e-3, with the negative control of the engine test."""
+    """First 3 tokens at T=1 on a 4-token vocabulary (Qwen3 target + a trained-form head): Pearson
+    chi-square vs the exact joint, α = 1e-3, with the negative control of the engine test."""
     from unit.test_engine import _chi2_critical, _exact_joint
 
     from draftforge.target.config import RandomTargetConfig
     from draftforge.target.random import build_random_model
 
-    spec = RandomTargetConfig(architecture="Qwen3_5ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
-                              num_layers=3, num_heads=2, num_kv_heads=1, head_dim=16, seed=3,
-                              full_attention_interval=3, linear_num_key_heads=1, linear_num_value_heads=2,
-                              linear_key_head_dim=8, linear_value_head_dim=8)
+    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
+                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
     model = build_random_model(spec)
     with torch.no_grad():
         model.lm_head.weight.mul_(0.12)
