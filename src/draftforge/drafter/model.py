@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.drafter.attention import apply_rope, attend, build_mask, resolve_impl, rope_cos_sin
-from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.attention import apply_rope, attend, build_mask, draft_block_mask, resolve_impl, rope_cos_sin
+from draftforge.drafter.config import SLIDING, DFlashConfig
 
 
 class RMSNorm(nn.Module):
@@ -181,6 +181,7 @@ class DFlashDrafter(nn.Module):
         if n_new:
             ctx_cos, ctx_sin = self._rope(torch.arange(cache.length, start, device=dev), dtype)
         h = block_embeds
+        windowed = draft_block_mask(start, B, self.cfg.sliding_window, dev)  # sliding layers only
         for i, layer in enumerate(self.layers):
             if n_new:
                 k_new, v_new = layer.self_attn.project_kv(ctx_new.to(dtype), ctx_cos, ctx_sin)
@@ -191,7 +192,8 @@ class DFlashDrafter(nn.Module):
                 a = layer.self_attn
                 ctx_k = h.new_zeros(1, a.n_kv, 0, a.head_dim)
                 ctx_v = ctx_k
-            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, None, "sdpa")
+            mask = windowed if self.cfg.layer_types[i] == SLIDING else None
+            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, mask, "sdpa")
         cache.advance(n_new)
         return self.norm(h)
 
@@ -202,7 +204,7 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,  # (S, N*B, H) embeddings of [anchor, mask x (B-1)] per block
         anchors: torch.Tensor,  # (S, N) int64 anchor positions (padding anchors: any value in [0, T])
         attn_impl: str | None = None,
-        mask: Any = None,  # a prebuilt mask for these anchors (build_mask); None → built here
+        mask: Any = None,  # prebuilt {layer type: mask} for these anchors (layer_masks); None → built here
     ) -> torch.Tensor:
         """All blocks of each sequence in one pass under the DFlash mask. Returns (S, N*B, H) normed."""
         S, T, _ = tapped.shape
@@ -214,13 +216,18 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self._rope(torch.arange(T, device=tapped.device), dtype)  # (1, T, hd) → bcast
         blk_pos = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).reshape(S, N * B)  # (S, Q)
         blk_cos, blk_sin = self._rope(blk_pos, dtype)  # (S, 1, Q, hd)
-        if mask is None:
-            mask = build_mask(anchors, T, B, impl)
+        masks = mask if mask is not None else self.layer_masks(anchors, T, impl)
         h = block_embeds
-        for layer in self.layers:
+        for kind, layer in zip(self.cfg.layer_types, self.layers):
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, mask, impl)
+            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, masks[kind], impl)
         return self.norm(h)
+
+    def layer_masks(self, anchors: torch.Tensor, ctx_len: int, impl: str) -> dict[str, Any]:
+        """One training mask per layer type present (full: the DFlash mask; sliding: windowed + causal block)."""
+        B = self.cfg.block_size
+        return {kind: build_mask(anchors, ctx_len, B, impl, self.cfg.sliding_window if kind == SLIDING else 0)
+                for kind in set(self.cfg.layer_types)}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,7 +1,9 @@
 """Warm start: copy target decoder-layer weights into the (same-width) draft layers.
 
 Reads only the needed tensors from the target's safetensors (never loads the whole target).
-Target layers without q/k norms (Llama) leave the draft's q_norm/k_norm at ones.
+Target layers without q/k norms (Llama) leave the draft's q_norm/k_norm at ones. Hybrid targets
+(Qwen3.5 / Qwen3-Next): only their full-attention layers are sources; their gated q_proj keeps the
+query half of each head, and their zero-centred RMSNorm weights w (applied as 1 + w) become 1 + w.
 """
 
 from __future__ import annotations
@@ -50,24 +52,52 @@ def read_tensors(hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor
     return out
 
 
-def default_source_layers(target_num_layers: int, draft_layers: int) -> list[int]:
-    """The target's last `draft_layers` decoder layers (closest to the output distribution)."""
-    return list(range(target_num_layers - draft_layers, target_num_layers))
+ZERO_CENTRED_NORM_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def target_text_config(hf_dir: str | Path) -> dict:
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    return config.get("text_config") or config
+
+
+def default_source_layers(target_num_layers: int, draft_layers: int, layer_types: list[str] | None = None) -> list[int]:
+    """The target's last `draft_layers` attention layers (closest to the output distribution)."""
+    attention = [i for i in range(target_num_layers) if not layer_types or layer_types[i] != "linear_attention"]
+    if len(attention) < draft_layers:
+        raise StageError(f"warm start: the target has {len(attention)} attention layers for {draft_layers} draft layers")
+    return attention[-draft_layers:]
+
+
+def _adapt(name: str, t: torch.Tensor, gated_q: bool, zero_centred: bool, head_dim: int) -> torch.Tensor:
+    """A target tensor in the draft layer's convention (plain RMSNorm weight, ungated q_proj)."""
+    if gated_q and name.endswith("self_attn.q_proj.weight"):
+        t = t.view(-1, 2 * head_dim, t.shape[-1])[:, :head_dim].reshape(-1, t.shape[-1])  # query half per head
+    if zero_centred and name.endswith("norm.weight"):
+        t = 1.0 + t.float()
+    return t
 
 
 @torch.no_grad()
 def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: list[int] | None = None) -> list[int]:
     """Copy target layers `source_layers[i]` into draft layer i (and the final norm); returns the layers used."""
     cfg = model.cfg
-    source_layers = source_layers or default_source_layers(cfg.target_num_layers, cfg.num_hidden_layers)
+    tcfg = target_text_config(hf_dir)
+    source_layers = source_layers or default_source_layers(cfg.target_num_layers, cfg.num_hidden_layers,
+                                                            tcfg.get("layer_types"))
     if len(source_layers) != cfg.num_hidden_layers:
         raise ValueError(f"init_from_target: {len(source_layers)} source layers for {cfg.num_hidden_layers} draft layers")
-    wanted = [f"model.layers.{src}.{t}" for src in source_layers for t in LAYER_KEYS]
+    zero_centred = tcfg.get("model_type") in ZERO_CENTRED_NORM_TYPES
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensor_locations(hf_dir)) \
+        else "model."
+    wanted = [f"{prefix}layers.{src}.{t}" for src in source_layers for t in LAYER_KEYS]
     found = read_tensors(hf_dir, wanted)
+    q0 = found.get(f"{prefix}layers.{source_layers[0]}.self_attn.q_proj.weight")
+    gated_q = q0 is not None and q0.shape[0] == 2 * cfg.num_attention_heads * cfg.head_dim
+    found = {n: _adapt(n, t, gated_q, zero_centred, cfg.head_dim) for n, t in found.items()}
     params = dict(model.named_parameters())
     for i, src in enumerate(source_layers):
         for t in LAYER_KEYS:
-            name = f"model.layers.{src}.{t}"
+            name = f"{prefix}layers.{src}.{t}"
             if name not in found:
                 if t in _OPTIONAL:
                     continue
@@ -77,7 +107,9 @@ def init_from_target(model: DFlashDrafter, hf_dir: str | Path, source_layers: li
                 raise StageError(f"{hf_dir}: {name} has shape {tuple(found[name].shape)}, draft expects {tuple(dest.shape)}")
             dest.copy_(found[name].to(dest.dtype))
     # The draft output meets the target's LM head: start from the target's own final norm.
-    final = read_tensors(hf_dir, ["model.norm.weight"]).get("model.norm.weight")
+    final = read_tensors(hf_dir, [f"{prefix}norm.weight"]).get(f"{prefix}norm.weight")
+    if final is not None:
+        final = _adapt("norm.weight", final, False, zero_centred, cfg.head_dim)
     if final is not None and final.shape == model.norm.weight.shape:
         model.norm.weight.copy_(final.to(model.norm.weight.dtype))
     return source_layers

@@ -102,9 +102,9 @@ def verify_round(tm: TargetModel, state: TargetState, method: Method, drafted: A
     post = sample(tm.lm_head(h[0]), temperature, gen).tolist()  # (n,) the target's token after each node
     timer.lap("verify")
     path = walk(tree, post)
+    state.commit(path)
     rows = torch.tensor(path, device=tm.device, dtype=torch.long)
-    state.commit(rows)
-    ids = torch.tensor([[tree.tokens[i] for i in path]], device=tm.device)
+    ids = torch.tensor([[tree.tokens[i] for i in path]])  # committed tokens, on the host (methods read them as ints)
     method.observe(Features(taps[:, rows] if taps is not None else None, h[:, rows], ids))
     timer.lap("commit")
     return Round([tree.tokens[i] for i in path], post[path[-1]])
@@ -128,7 +128,7 @@ def generate(tm: TargetModel, method: Method | None, prompt_ids: Sequence[int], 
     t1 = clock.now()
     drafted = None
     if method is not None:
-        method.begin(Features(taps, h, ids))
+        method.begin(Features(taps, h, torch.tensor([list(prompt_ids)])))
         drafted = method.draft(bonus, state.length) if not out.done else None
     t2 = clock.now()
     res = GenResult(method.name if method else "ar", [], len(prompt_ids), ttft_s=t1 - t0, decode_s=0.0,

@@ -55,18 +55,22 @@ class TargetState:
         self.length += self.pending
         self.pending = 0
 
-    def commit(self, path: torch.Tensor) -> None:
+    def commit(self, path: torch.Tensor | list[int]) -> None:
         """Keep the span rows `path` (ascending span indices, a root path) right after the past."""
-        m = path.shape[0]
+        steps = path.tolist() if isinstance(path, torch.Tensor) else list(path)
+        m = len(steps)
         past = self.length
-        if self.kv.shape[0] and not bool((path == torch.arange(m, device=path.device)).all()):
-            rows = past + path
+        rows = None
+        if self.kv.shape[0] and steps != list(range(m)):  # a prefix (chains) stays in place: no copy
+            rows = torch.tensor(steps, device=self.kv.device) + past
             self.kv[:, :, :, past : past + m] = self.kv.index_select(3, rows)  # gather first: rows may overlap
-        for i, scratch in enumerate(self.scratch):
-            if scratch is None:
-                raise RuntimeError("engine state: commit(path) without a verify span on a GDN layer")
-            commit_path(scratch, self.conv[i], self.rec[i], path)
-            self.scratch[i] = None
+        if self.scratch:
+            idx = torch.tensor(steps, device=self.rec.device)
+            for i, scratch in enumerate(self.scratch):
+                if scratch is None:
+                    raise RuntimeError("engine state: commit(path) without a verify span on a GDN layer")
+                commit_path(scratch, self.conv[i], self.rec[i], idx)
+                self.scratch[i] = None
         self.length = past + m
         self.pending = 0
 
