@@ -194,3 +194,28 @@ def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
     make_experiment(tmp_path, bad, LENGTHS)
     with pytest.raises(StageError, match=r"target\.json: drafter\.target_layer_ids \[1, 4\] must be strictly"):
         _run(tmp_path)
+
+
+def test_train_mtp_adds_the_last_layer(tmp_path, tiny_target_info):
+    """train.mtp=true (target without MTP layers): extract also stores the last decoder layer's raw
+    output, and the train sources split it from the drafter's taps."""
+    from draftforge.train.features import open_features
+
+    make_experiment(tmp_path, tiny_target_info, {"train": [[20, 30]], "val": [[25]]})
+    index = _run(tmp_path, "train.mtp=true")
+    last = tiny_target_info["num_layers"] - 1
+    assert index["target_layer_ids"] == TAPS + [last]
+    train_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, torch.float32, mtp=True)
+    last_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, torch.float32, mtp=True, layers=[last])
+    ids, _, taps = train_src[0]
+    _, _, raw = last_src[0]
+    assert taps.shape == (ids.numel(), 2 * 128) and raw.shape == (ids.numel(), 128)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_info["hf_path"], dtype=torch.float32).eval()
+    grab = {}
+    model.model.layers[last].register_forward_hook(lambda m, a, o: grab.update(h=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(taps, torch.cat([hs[L + 1][0] for L in TAPS], dim=-1), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(raw, grab["h"][0], atol=1e-3, rtol=1e-3)
