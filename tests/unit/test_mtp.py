@@ -242,3 +242,22 @@ def test_mtp_training_loss_decreases():
     first, last = sum(r["mtp_loss"] for r in res.history[:5]) / 5, sum(r["mtp_loss"] for r in res.history[-5:]) / 5
     assert last < 0.7 * first, (first, last)
     assert res.best is not None and res.best["val_mtp_sim_tau"] > 1.3, res.evals
+
+
+def test_export_for_a_tied_target_round_trips(tmp_path):
+    """A trained head exported for a target with tied embeddings (one stored table, as SmolLM2):
+    the MiMo export holds separate embedding and LM-head copies and loads back unchanged."""
+    from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+    from draftforge.target.config import RandomTargetConfig
+    from draftforge.target.random import save_random_target
+
+    spec = RandomTargetConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    tdir = save_random_target(spec, tmp_path / "tied")
+    head, copied = new_trained_head(tdir)
+    assert copied == 1
+    out = export_mimo_head(head, tmp_path / "mtp", tdir, dtype=torch.float32)
+    back = load_mtp_head(out)
+    assert back.source == "trained"
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v)

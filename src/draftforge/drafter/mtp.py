@@ -319,7 +319,8 @@ def export_mimo_head(head: MTPHead, out_dir: str | Path, target_hf_dir: str | Pa
     embed = next((found[n] for n in EMBED_NAMES if n in found), None)
     if embed is None:
         raise ValueError(f"{target_hf_dir}: no embedding table in the target's safetensors")
-    tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": found.get("lm_head.weight", embed)}
+    head_w = found.get("lm_head.weight", embed)  # a tied target stores one table: write two copies
+    tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": head_w.clone() if head_w is embed else head_w}
     for pname, t in head.state_dict().items():
         for ours, theirs in MIMO_NAMES.items():
             if pname.startswith(ours):
