@@ -136,13 +136,12 @@ def test_mtp_lossless_greedy(hybrid, k):
 def test_mtp_accepts_on_a_copying_target():
     """A target whose greedy output is a fixed map of the current token and a head that reproduces
     it: every draft is accepted (τ = k + 1)."""
-    from draftforge.baselines.mtp_target import save_mtp_target
-    from draftforge.target.config import RandomTargetConfig
-    from draftforge.target.load import load_target_model  # noqa: F401
-
     import tempfile
 
     from transformers import AutoModelForCausalLM
+
+    from draftforge.baselines.mtp_target import save_mtp_target
+    from draftforge.target.config import RandomTargetConfig
 
     with tempfile.TemporaryDirectory() as d:
         tdir = save_mtp_target(RandomTargetConfig(), Path(d) / "t", predictable=True)
