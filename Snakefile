@@ -17,13 +17,7 @@ configfile: "workflow/config.yaml"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/target.smk"
-include: "workflow/rules/curate.smk"
-include: "workflow/rules/extract.smk"
-include: "workflow/rules/train.smk"
-include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/baselines.smk"
-include: "workflow/rules/report.smk"
+include: "workflow/rules/stages.smk"
 
 
 rule all:

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))

@@ -1,4 +1,4 @@
-"""Scaling of `extract` and `train` on N GPUs vs 1 GPU with the same per-GPU work (issue 9).
+"""Scaling of `extract` and `train` on N GPUs vs 1 GPU with the same per-GPU work.
 
 Runs both stages through the project's own Snakemake rules (`resources: gpu=N`, torchrun inside the
 rule) on a random-weight Qwen3-8B-shaped target (conf/experiment/scale.yaml; no download), first with
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def run_world(args: argparse.Namespace, n: int, work: Path) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     launch = [f"extract.cpu_procs={n}", f"train.cpu_procs={n}", "extract.gpus=0", "train.gpus=0", "train.compile=false"] if args.cpu else \
              [f"extract.gpus={n}", f"train.gpus={n}"]  # fmt: skip
-    overrides = [f"target={args.target}", *launch, f"train.batch_seqs={n * args.seqs_per_gpu_step}",
+    overrides = [f"target={args.target}", *launch, f"train.batch_seqs={args.seqs_per_gpu_step}",
                  f"train.max_steps={args.train_steps}", f"train.max_seq_len={args.max_len}", *args.override]  # fmt: skip
     snakemake(root, "target", overrides, args.cores)
     target = read_target_info(root / "scale" / "target" / "target.json")

@@ -1,4 +1,4 @@
-"""What limits the default world's drafter: val simulated τ vs training steps, data size and init (issue 5).
+"""What limits the default world's drafter: val simulated τ vs training steps, data size and init.
 
 Runs the pipeline's own pieces in memory on one device — the GGUF target conversion
 (draftforge.target.gguf.convert_gguf), tapped-feature capture (draftforge.extract.capture.TapCapture,

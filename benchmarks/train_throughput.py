@@ -1,4 +1,4 @@
-"""DFlash drafter training throughput and MFU (issue 5 GPU benchmark).
+"""DFlash drafter training throughput and MFU (GPU benchmark).
 
 Default: Qwen3-8B-shaped drafter (5 layers, H 4096, 32 heads / 8 KV, head_dim 128, MLP 12288, 5 taps),
 frozen bf16 LM head + embeddings (vocab 151936), 512 anchors x block 16 on a 3072-token context of
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftforge.drafter.attention import build_mask, resolve_impl  # noqa: E402
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
+from draftforge.train import loss as loss_mod  # noqa: E402
 from draftforge.train.data import collate  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
-from draftforge.train import loss as loss_mod  # noqa: E402
 from draftforge.train.loss import block_losses, slot_weights  # noqa: E402
 
 PEAK_BF16 = 989e12

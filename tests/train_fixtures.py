@@ -79,8 +79,11 @@ def write_extract_index(out_dir: Path, splits: dict, info: dict, fingerprint: st
             hidden, _ = encode_hidden(torch.cat([it[2] for it in part]), len(taps), "float32")
             offsets = torch.tensor([0] + [it[0].numel() for it in part]).cumsum(0)
             name = shard_name(len(shards))
-            sha, size = write_shard(out_dir / name, {"hidden": hidden, "input_ids": ids, "loss_mask": mask, "offsets": offsets,
-                                                      "seq_index": torch.arange(len(part))})
+            tensors = {"hidden": hidden, "input_ids": ids, "loss_mask": mask, "offsets": offsets,
+                       "seq_index": torch.arange(len(part))}
+            if all(len(it) > 3 for it in part):  # the target's last layer (a 4th element), as extract stores it
+                tensors["last_hidden"] = torch.cat([it[3] for it in part]).float()
+            sha, size = write_shard(out_dir / name, tensors)
             rec = {"file": name, "split": split, "n_seqs": len(part), "n_tokens": int(ids.numel()),
                    "n_loss_tokens": int(mask.sum()), "n_bytes": size, "sha256": sha}
             shards.append(rec)

@@ -5,5 +5,3 @@ and must never pull in torch.
 """
 
 __version__ = "0.1.0"
-
-STAGES: tuple[str, ...] = ("target", "curate", "extract", "train", "evaluate", "baselines", "report")

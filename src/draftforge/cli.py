@@ -6,6 +6,7 @@ MLflow and writes provenance. A StageError becomes one line on stderr and exit s
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -18,22 +19,11 @@ from omegaconf import DictConfig
 
 from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
-from draftforge.paths import STAGE_MARKERS, stage_dir, stage_marker, work_dir
+from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
+from draftforge.stages import stage_inputs
 
 log = logging.getLogger("draftforge")
-
-# Upstream stages each stage reads (their marker files are fingerprinted into provenance).
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "target": (),
-    "curate": ("target",),
-    "extract": ("target", "curate"),
-    "train": ("target", "extract"),
-    "evaluate": ("target", "train"),
-    "baselines": ("target", "train"),
-    "report": ("target", "curate", "extract", "train", "evaluate", "baselines"),
-}
-
 
 @dataclass
 class StageContext:
@@ -124,7 +114,7 @@ def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = Non
         return
     inputs = {
         up: stage_marker(ctx.results_root, ctx.experiment, up)
-        for up in STAGE_INPUTS[ctx.stage]
+        for up in stage_inputs(ctx.stage, ctx.cfg)
         if stage_marker(ctx.results_root, ctx.experiment, up).is_file()
     }
     write_provenance(ctx.out_dir, stage=ctx.stage, config=ctx.params, config_hash=ctx.config_hash, inputs=inputs, extra=extra)
@@ -134,15 +124,14 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
     """Compose the config, run `main(ctx)`, turn StageError into one line + exit 2.
 
     Convention for `main`: write every output atomically; write the marker file
-    (paths.STAGE_MARKERS[stage]) last, so its presence means the stage finished.
+    (stages.STAGE_MARKERS[stage]) last, so its presence means the stage finished.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank)
     try:
         ctx = make_context(stage, argv)
-        ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        make_stage_dirs(ctx)
         write_stage_provenance(ctx)
         main(ctx)
     except StageError as exc:
@@ -151,6 +140,45 @@ def run_stage(stage: str, main: Callable[[StageContext], None], argv: Sequence[s
     except KeyboardInterrupt:
         print(f"draftforge {stage}: interrupted; rerun the same command to resume", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
+            raise
+        print(f"draftforge {stage}: error: disk full or write failed ({full}); free space and rerun the same command "
+              "(finished shards and checkpoints are kept)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
 
 
-assert set(STAGE_INPUTS) == set(STAGE_MARKERS)
+def make_stage_dirs(ctx: StageContext) -> None:
+    for path in (ctx.out_dir, ctx.work_dir):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as exc:
+            raise StageError(f"results_root={ctx.results_root}: cannot create or write {path} "
+                             f"({exc.strerror or exc}); set results_root to a writable folder") from None  # fmt: skip
+
+
+# What a full disk looks like through sqlite (MLflow) and torch.save's zip writer.
+_DISK_FULL_TEXT = ("no space left on device", "database or disk is full", "disk quota exceeded", "file write failed",
+                   "unexpected pos")
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """A short description when `exc` (or anything in its chain) is a full disk, else None."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{cur.filename or cur.strerror}" if cur.filename else str(cur.strerror)
+        text = str(cur).lower()
+        if any(t in text for t in _DISK_FULL_TEXT):
+            return str(cur).strip().splitlines()[0][:200]
+        todo += [cur.__cause__, cur.__context__]
+    return None
+

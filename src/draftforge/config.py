@@ -26,6 +26,7 @@ from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
+from draftforge.stages import STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
 from draftforge.train.config import TrainConfig
 
@@ -53,19 +54,6 @@ class RootConfig:
 
 ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
 
-# Config keys each stage's computation depends on (beyond its upstream files). Dotted keys name a
-# subsection: curate decontaminates against, and baselines runs on, the evaluate stage's prompt sets,
-# but neither depends on evaluate's methods or budgets.
-PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "evaluate.gsm_symbolic", "evaluate.chitchat")
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "target": ("target",),
-    "curate": ("target", "curate", *PROMPT_KEYS),
-    "extract": ("target", "extract", "train.mtp"),
-    "train": ("target", "train"),
-    "evaluate": ("target", "evaluate"),
-    "baselines": ("target", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),
-    "report": ("report",),
-}
 
 
 def compose(
@@ -84,8 +72,8 @@ def compose(
         # `+key=value` overrides slip past Hydra's struct check: re-validate against the schema.
         cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.create(OmegaConf.to_container(cfg)))
         OmegaConf.set_struct(cfg, True)
-        _check_values(cfg)
-    except (HydraException, OmegaConfBaseException) as exc:
+        OmegaConf.to_object(cfg)  # builds every dataclass: their __post_init__ checks the values
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:
         message = _explain(exc)
         raise ConfigError(f"config (experiment={experiment}, overrides={list(overrides)}): {message}") from None
     finally:
@@ -103,13 +91,6 @@ def _explain(exc: BaseException) -> str:
             parts.append(text)
         seen = seen.__cause__ or seen.__context__
     return ": ".join(parts)
-
-
-def _check_values(cfg: DictConfig) -> None:
-    from draftforge.target.config import TARGET_SOURCES
-
-    if cfg.target.source not in TARGET_SOURCES:
-        raise ConfigError(f"target.source: {cfg.target.source!r} is not one of {TARGET_SOURCES}")
 
 
 def to_plain(node: Any) -> Any:

@@ -9,3 +9,9 @@ class StageError(Exception):
 
 class ConfigError(StageError):
     """A config key or value is wrong (raised at compose time, naming the key)."""
+
+
+def check(ok: bool, key: str, problem: str) -> None:
+    """A config dataclass's value check (called from `__post_init__`, so it runs at compose time)."""
+    if not ok:
+        raise ConfigError(f"{key}: {problem}")

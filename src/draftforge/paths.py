@@ -9,21 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from draftforge import STAGES
+from draftforge.stages import STAGE_MARKERS, STAGES
 
 REPO_ROOT: Path = Path(__file__).resolve().parents[2]
 CONF_DIR: Path = REPO_ROOT / "conf"
-
-# Per-stage marker file: the declared Snakemake output that exists only when the stage finished.
-STAGE_MARKERS: dict[str, str] = {
-    "target": "target.json",
-    "curate": "manifest.json",
-    "extract": "index.json",
-    "train": "metrics.json",
-    "evaluate": "evaluate.json",
-    "baselines": "baselines.json",
-    "report": "summary.md",
-}
 
 
 def default_results_root() -> Path:

@@ -2,12 +2,16 @@
 
 Runs carry the tags stage, pipeline, config_hash, git_sha, method, dataset so `mlflow ui` can filter
 and compare runs of different stages and engines side by side. SQLite is shared by concurrent
-Snakemake jobs: every call retries on "database is locked".
+Snakemake jobs: every call retries on "database is locked", and the first touch of the store in a
+process (when MLflow may create or migrate the schema) holds an exclusive file lock beside the
+database, so stages starting together on a fresh store do not run the schema setup twice. Runs a
+killed process left RUNNING (same experiment and stage) are marked KILLED when the stage restarts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import random
@@ -79,15 +83,7 @@ class RunLogger:
         items = list(flatten(params).items())
         for i in range(0, len(items), 90):  # MLflow caps a params batch at 100
             chunk = dict(items[i : i + 90])
-            with_retries(lambda: mlflow.log_params(chunk, run_id=self.run_id))
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if not self.active:
-            return
-        import mlflow
-
-        for key, value in tags.items():
-            with_retries(lambda: mlflow.set_tag(key, str(value)))
+            with_retries(lambda: mlflow.log_params(chunk, run_id=self.run_id))  # noqa: B023 (called at once)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if not self.active:
@@ -95,6 +91,51 @@ class RunLogger:
         import mlflow
 
         with_retries(lambda: mlflow.log_artifact(str(path), artifact_path=artifact_path, run_id=self.run_id))
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0])
+
+
+@contextlib.contextmanager
+def store_setup_lock(uri: str) -> Iterator[None]:
+    """Exclusive lock on `<db>.lock` for a SQLite store (no-op for other stores)."""
+    db = _sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_CLEANED: set[tuple[str, str, str]] = set()
+
+
+def mark_stale_runs_killed(exp_id: str, stage: str) -> int:
+    """Runs of this experiment and stage still RUNNING from a killed process → KILLED.
+
+    Snakemake never runs two jobs of one stage of one experiment at once, so at the stage's first
+    run any RUNNING run of that stage is a leftover. Done once per process and stage.
+    """
+    import mlflow
+
+    key = (mlflow.get_tracking_uri(), exp_id, stage)
+    if key in _CLEANED:
+        return 0
+    _CLEANED.add(key)
+    client = mlflow.MlflowClient()
+    stale = with_retries(lambda: client.search_runs([exp_id], filter_string=f"tags.stage = '{stage}' AND attributes.status = 'RUNNING'"))
+    for run in stale:
+        with_retries(lambda rid=run.info.run_id: client.set_terminated(rid, status="KILLED"))
+        log.warning("MLflow run %s (%s) was left RUNNING by a killed %s stage: marked KILLED", run.info.run_id, run.info.run_name, stage)
+    return len(stale)
 
 
 def experiment_name(draftforge_experiment: str) -> str:
@@ -137,7 +178,9 @@ def mlflow_run(
         return mlflow.create_experiment(exp_name, artifact_location=f"{artifact_root}/{experiment}",
                                         tags={"mlflow.experimentKind": "custom_model_development"})
 
-    exp_id = with_retries(_experiment_id)
+    with store_setup_lock(tracking_uri):
+        exp_id = with_retries(_experiment_id)
+        mark_stale_runs_killed(exp_id, stage)
     all_tags = {"stage": stage, "pipeline": experiment, **{k: str(v) for k, v in (tags or {}).items()}}
     run = with_retries(lambda: mlflow.start_run(experiment_id=exp_id, run_name=run_name or stage, tags=all_tags))
     logger = RunLogger(run.info.run_id)

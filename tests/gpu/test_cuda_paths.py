@@ -25,11 +25,10 @@ def _exact_fp32():
 
 
 def _target_and_drafter(arch: str, dtype: torch.dtype, seed: int = 0):
-    from engine_fixtures import tiny_drafter
-
     from draftforge.engine import wrap_target
     from draftforge.target.config import RandomTargetConfig
     from draftforge.target.random import build_random_model
+    from engine_fixtures import tiny_drafter
 
     spec = RandomTargetConfig(architecture=arch, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
                               num_heads=4, num_kv_heads=2, head_dim=16, seed=seed)  # fmt: skip
@@ -39,9 +38,8 @@ def _target_and_drafter(arch: str, dtype: torch.dtype, seed: int = 0):
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_dflash_and_ddtree_lossless_fp32_on_gpu(arch: str) -> None:
-    from engine_fixtures import prompt
-
     from draftforge.engine import generate_ar, generate_ddtree, generate_dflash
+    from engine_fixtures import prompt
 
     tm, drafter = _target_and_drafter(arch, torch.float32)
     for seed in range(3):
@@ -54,9 +52,8 @@ def test_dflash_and_ddtree_lossless_fp32_on_gpu(arch: str) -> None:
 
 def test_bf16_tie_flips_are_rare_and_counted() -> None:
     """bf16 may flip near-ties between AR and a wider verify forward: count them, never hide them."""
-    from engine_fixtures import prompt
-
     from draftforge.engine import generate_ar, generate_ddtree
+    from engine_fixtures import prompt
 
     tm, drafter = _target_and_drafter("Qwen3ForCausalLM", torch.bfloat16, seed=1)
     equal, total = 0, 12

@@ -1,4 +1,4 @@
-"""Parity (issue 7): vLLM-DFlash τ with OUR trained drafter vs our standalone DFlash τ, same prompt, T=0.
+"""Parity (docs/architecture.md, "The stage table"): vLLM-DFlash τ with OUR trained drafter vs our standalone DFlash τ, same prompt, T=0.
 
 A drafter is overfit on the first evaluation prompt's greedy continuation (train loop of the train
 stage), exported in vLLM's dflash layout, and decoded by both engines: our engine
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
-
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.io import write_json  # noqa: E402
+from draftforge.report.parity import parity_block  # noqa: E402
+from draftforge.report.rows import collect_rows  # noqa: E402
+from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 if __import__("importlib.util").util.find_spec("vllm") is None:
@@ -77,7 +78,8 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
     n_new = N_GEN - B
     ours = generate_dflash(wrap_target(target, info["drafter"]["target_layer_ids"]), load_drafter(drafter_dir), prompt, n_new)
     assert ours.tokens == cont[:n_new]
-    write_json(root / EXP / "evaluate" / "evaluate.json", {"engine": "draftforge", "rows": [
+    evaluate_json = root / EXP / "evaluate" / "evaluate.json"
+    write_json(evaluate_json, {"engine": "draftforge", "rows": [
         {"dataset": "humaneval", "method": "dflash", "budget": None, "engine": "draftforge", "temperature": 0.0,
          "tau": ours.tau, "n_prompts": 1}]})  # fmt: skip
 
@@ -91,8 +93,9 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
     assert rows["dflash"]["status"] == "ok" and rows["dflash"]["lossless_mismatches"] == 0
     dflash = json.loads((root / EXP / "baselines" / "dflash.json").read_text())
     assert dflash["segments"][0]["prompts"][0]["token_ids"] == cont[:n_new]
-    parity = marker["parity"]["datasets"]["humaneval"]
+    block = parity_block(collect_rows(evaluate_json, root / EXP / "baselines" / "baselines.json"), 0.05)
+    parity = block["datasets"]["humaneval"]
     print("parity:", parity)
     assert parity["standalone_tau"] == pytest.approx(ours.tau) and parity["vllm_tau"] == pytest.approx(rows["dflash"]["tau"])
     assert ours.tau > B / 2, f"drafter not memorized under our engine (τ {ours.tau})"
-    assert parity["within_tolerance"] is True and marker["parity"]["all_within"] is True, parity
+    assert parity["within_tolerance"] is True and block["all_within"] is True, parity

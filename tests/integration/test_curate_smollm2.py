@@ -63,9 +63,9 @@ def test_smollm2_mask_is_exactly_assistant_content_plus_im_end(smollm2_tokenizer
 
 @pytest.mark.vllm
 def test_vllm_backend_generates_and_marks_finish(smollm2_target_info, smollm2_tokenizer):
+    from draftforge.chat import prompt_ids
     from draftforge.curate.config import RegenerateConfig
     from draftforge.curate.regenerate import VLLMBackend
-    from draftforge.curate.tokenize import prompt_ids
 
     tok = smollm2_tokenizer
     cfg = RegenerateConfig(max_new_tokens=24, vllm_kv_cache_bytes=128 << 20, vllm_max_model_len=512, vllm_max_num_seqs=4)

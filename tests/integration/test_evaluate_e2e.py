@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from evaluate_fixtures import tiny_pipeline  # noqa: E402
-
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
+from draftforge.rows import ROW_KEYS  # noqa: E402
+from evaluate_fixtures import tiny_pipeline  # noqa: E402
 
 pytestmark = pytest.mark.integration
-ROW_KEYS = {"dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
-            "speedup_vs_ar", "lossless_mismatches", "n_prompts"}
 
 
 def _args(root: Path, *extra: str) -> list[str]:
@@ -34,7 +32,7 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     rows = marker["rows"]
     assert len(rows) == 2 * 2 * 4  # datasets × temperatures × (ar, dflash, ddtree@1, ddtree@32)
     for row in rows:
-        assert ROW_KEYS <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
+        assert set(ROW_KEYS) <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         if row["temperature"] == 0.0:
             assert row["lossless_mismatches"] == 0, row  # fp32 CPU: exact
@@ -74,3 +72,24 @@ def test_torchrun_data_parallel_cpu(tmp_path):
     assert sorted({r["prompt_index"] for r in per["responses"]}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
     assert len(per["responses"]) == 3 * 4
     assert all(r["n_prompts"] == 3 and r["lossless_mismatches"] == 0 for r in per["rows"])
+
+
+def test_stage_with_a_dspark_drafter_runs_markov_methods_losslessly(tmp_path):
+    tiny_pipeline(tmp_path, dspark_rank=8)
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.datasets=[chitchat]",
+                                           "evaluate.methods=[ar,dflash,dspark,ddtree,ddtree_markov]"))
+    rows = json.loads((tmp_path / "smoke" / "evaluate" / "evaluate.json").read_text())["rows"]
+    got = [(r["method"], r["budget"]) for r in rows]
+    assert got == [("ar", None), ("dflash", None), ("dspark", None), ("ddtree", 1), ("ddtree", 32),
+                   ("ddtree_markov", 1), ("ddtree_markov", 32)]
+    assert all(r["lossless_mismatches"] == 0 for r in rows)
+    assert {r["drafter"] for r in rows if r["method"] != "ar"} == {"dspark"}
+    assert sum(r.get("best_budget", False) for r in rows) == 2  # one per tree method
+
+
+def test_dflash_drafter_refuses_markov_methods(tmp_path):
+    from draftforge.errors import StageError
+
+    tiny_pipeline(tmp_path)
+    with pytest.raises((StageError, SystemExit)):
+        run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.methods=[ar,ddtree_markov]"))

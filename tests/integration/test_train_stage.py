@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
-
 from draftforge.io import write_json  # noqa: E402
+from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PY = sys.executable
@@ -92,21 +91,35 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
 
 
-def test_stage_trains_mtp_head(tiny_target_info, tmp_path):
-    """train.mtp=true: features hold the drafter's taps + the last layer; the stage also trains an MTP
-    head and exports it in vLLM's MiMo MTP format (train/mtp/), loadable as the engine's head."""
-    from draftforge.drafter.mtp import feature_taps, load_mtp_head
+def _with_last(info, items):
+    """items + the target's final-normed last layer (extract's `last_hidden`) as a 4th element."""
+    import torch
 
-    taps = feature_taps(tiny_target_info, True)
-    assert taps[-1] == tiny_target_info["num_layers"] - 1
-    info_all = {**tiny_target_info, "drafter": {**tiny_target_info["drafter"], "target_layer_ids": taps}}
-    items = synthetic_items(info_all, 8, seed=6)
-    write_json(tmp_path / "smoke" / "target" / "target.json", tiny_target_info)
-    write_extract_index(tmp_path / "smoke" / "extract", {"train": items[:6], "val": items[6:]}, tiny_target_info, taps=taps)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([PY, "-m", "draftforge.train", *OVERRIDES, "train.max_steps=2", "train.mtp=true",
-                           "train.mtp_steps=6", "train.mtp_eval_every=3", "train.mtp_rows=16", f"results_root={tmp_path}"],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    from train_fixtures import load_target
+
+    model = load_target(info)
+    out = []
+    for ids, mask, taps in items:
+        with torch.no_grad():
+            out.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
+    return out
+
+
+def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
+    """train.mtp=true: features carry `last_hidden` (the final-normed last layer); the stage also trains an
+    MTP head and exports it in vLLM's MiMo MTP format (train/mtp/), loadable as the engine's head. Without
+    `last_hidden`: one StageError naming the switch; with train.features=online: one StageError."""
+    from draftforge.drafter.mtp import load_mtp_head
+
+    mtp_args = [PY, "-m", "draftforge.train", "train.max_steps=2", "train.mtp=true", "train.mtp_steps=6",
+                "train.mtp_eval_every=3", "train.mtp_rows=16"]
+    _world(tmp_path, tiny_target_info, items)
+    bad = _run(mtp_args, tmp_path)
+    assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1], bad.stderr[-2000:]
+    online = _run(mtp_args + ["train.features=online"], tmp_path)
+    assert online.returncode == 2 and "train.features=online" in online.stderr.strip().splitlines()[-1], online.stderr[-2000:]
+    _world(tmp_path, tiny_target_info, _with_last(tiny_target_info, items))
+    proc = _run(mtp_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "smoke" / "train"
     mtp = json.loads((out / "metrics.json").read_text())["mtp"]
@@ -115,3 +128,32 @@ def test_stage_trains_mtp_head(tiny_target_info, tmp_path):
     assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
     head = load_mtp_head(out / "mtp")
     assert head.source == "trained" and head.form == "mimo" and head.hidden_size == tiny_target_info["hidden_size"]
+
+
+def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
+    """train.drafter_type=dspark on features with the target's last layer → a DSpark export with analytic metrics;
+    the same features without the last layer → one StageError naming the switch."""
+    import torch
+
+    from train_fixtures import load_target
+
+    model = load_target(tiny_target_info)
+    with_last = []
+    for ids, mask, taps in items:
+        with torch.no_grad():
+            with_last.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
+    _world(tmp_path, tiny_target_info, items)
+    bad = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1]
+    _world(tmp_path, tiny_target_info, with_last)
+    proc = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train"
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["markov_rank"] == 8 and cfg["sample_from_anchor"] is True
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert "val_analytic_tau" in metrics["best"] and "val_conf_ece" in metrics["best"]
+    from draftforge.drafter.dspark import DSparkDrafter
+    from draftforge.drafter.export import load_drafter
+
+    assert isinstance(load_drafter(out / "drafter"), DSparkDrafter)

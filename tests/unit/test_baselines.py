@@ -1,4 +1,4 @@
-"""baselines: counter arithmetic, rows/speedup/lossless/parity, method specs (no engine needed)."""
+"""baselines: counter arithmetic, rows/speedup/lossless, the parity check, method specs (no engine needed)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, plain_cfg  # noqa: E402
-
 from draftforge.baselines import metrics as M  # noqa: E402
-from draftforge.baselines.rows import add_comparisons, method_rows, parity_block  # noqa: E402
+from draftforge.baselines.rows import add_comparisons, method_rows  # noqa: E402
 from draftforge.baselines.spec import plan_method, resolve_settings, worker_spec  # noqa: E402
 from draftforge.errors import StageError  # noqa: E402
+from draftforge.report.parity import parity_block  # noqa: E402
 
 
 # Same shapes as vllm.v1.metrics.reader's dataclasses (matched by class name / attributes).
@@ -123,22 +123,17 @@ def test_rows_speedup_lossless_and_failed_method():
         assert row["engine"] == "vllm"
 
 
-def test_parity_block(tmp_path):
-    rows = [{"method": "dflash", "dataset": "humaneval", "temperature": 0.0, "tau": 3.0, "n_prompts": 4},
-            {"method": "dflash", "dataset": "chitchat", "temperature": 0.0, "tau": 2.0, "n_prompts": 4}]  # fmt: skip
-    ev = tmp_path / "evaluate"
-    missing = parity_block(rows, ev, 0.05)
-    assert missing["available"] is False and "evaluate" in missing["reason"]
-    ev.mkdir()
-    # a dataset file of a still-running evaluate (per-response records) is not a finished result
-    (ev / "humaneval.json").write_text(json.dumps({"responses": [{"method": "dflash", "dataset": "humaneval", "tau": 1.0}]}))
-    assert parity_block(rows, ev, 0.05)["available"] is False
-    (ev / "evaluate.json").write_text(json.dumps({"engine": "draftforge", "rows": [
+def test_parity_block():
+    vllm = [{"method": "dflash", "dataset": "humaneval", "engine": "vllm", "temperature": 0.0, "tau": 3.0, "n_prompts": 4},
+            {"method": "dflash", "dataset": "chitchat", "engine": "vllm", "temperature": 0.0, "tau": 2.0, "n_prompts": 4}]  # fmt: skip
+    missing = parity_block(vllm, 0.05)
+    assert missing["available"] is False and "standalone" in missing["reason"]
+    ours = [
         {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 2.95, "n_prompts": 4},
         {"method": "dflash", "dataset": "humaneval", "engine": "draftforge", "temperature": 1.0, "tau": 2.0, "n_prompts": 4},
         {"method": "ddtree", "dataset": "humaneval", "engine": "draftforge", "temperature": 0.0, "tau": 4.0, "budget": 64},
-        {"method": "dflash", "dataset": "chitchat", "engine": "draftforge", "temperature": 0.0, "tau": 2.5}]}))  # fmt: skip
-    block = parity_block(rows, ev, 0.05)
+        {"method": "dflash", "dataset": "chitchat", "engine": "draftforge", "temperature": 0.0, "tau": 2.5}]  # fmt: skip
+    block = parity_block(vllm + ours, 0.05)
     assert block["available"] is True and block["all_within"] is False
     assert block["datasets"]["humaneval"]["within_tolerance"] is True
     assert block["datasets"]["humaneval"]["rel_diff"] == pytest.approx(0.05 / 2.95)
@@ -215,14 +210,14 @@ def test_mtp_spec_native_or_trained(tmp_path):
     from draftforge.baselines.spec import worker_spec
 
     cfg = plain_cfg()
-    native = plan_method("mtp", cfg.methods.mtp, {**INFO, "mtp_layers": 1}, None, tmp_path / "absent")
+    native = plan_method("mtp", cfg.methods.mtp, {**INFO, "mtp_layers": 1}, None, trained_mtp_dir=tmp_path / "absent")
     assert native.source == "native" and native.llm_overrides is None
-    skip = plan_method("mtp", cfg.methods.mtp, INFO, None, tmp_path / "absent")
+    skip = plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=tmp_path / "absent")
     assert "train.mtp=false" in skip.skip_reason
     head = tmp_path / "mtp"
     head.mkdir()
     (head / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"], "hidden_size": 128}))
-    trained = plan_method("mtp", cfg.methods.mtp, INFO, None, head)
+    trained = plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=head)
     assert trained.source == "trained" and trained.draft_model == str(head.resolve())
     assert trained.speculative_config == {"method": "mtp", "model": str(head.resolve()), "num_speculative_tokens": 3}
     settings = __import__("types").SimpleNamespace(llm_kwargs=lambda: {"dtype": "float32"})
@@ -230,4 +225,28 @@ def test_mtp_spec_native_or_trained(tmp_path):
     assert spec["llm_kwargs"] == {"dtype": "float32", "hf_overrides": {"num_nextn_predict_layers": 1}}
     (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128}))
     with pytest.raises(StageError, match="baselines.methods.mtp.model"):
-        plan_method("mtp", cfg.methods.mtp, INFO, None, head)
+        plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=head)
+
+
+def test_dspark_plan_skips_with_the_exact_reason(tmp_path):
+    """A DFlash drafter → skip naming it; a DSpark drafter on CPU → vLLM's own refusal; on CUDA → the spec."""
+    import torch
+
+    from draftforge.baselines.spec import DSPARK_CPU_REASON
+    from draftforge.drafter import DFlashConfig, DFlashDrafter
+    from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
+    from draftforge.drafter.export import export_drafter
+
+    cfg = plain_cfg()
+    info = {**INFO, "num_layers": 4, "hidden_size": 64, "vocab_size": 300}
+    base = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=300, mask_token_id=3, target_layer_ids=[0, 2], block_size=4, target_num_layers=4)
+    export_drafter(DFlashDrafter(base), base, tmp_path / "dflash", dtype=torch.float32)
+    dcfg = DSparkConfig.from_dflash(base, markov_rank=4)
+    export_drafter(DSparkDrafter(dcfg), dcfg, tmp_path / "dspark", dtype=torch.float32)
+    assert "DFlash drafter" in plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dflash", device="cpu").skip_reason
+    cpu = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cpu")
+    assert cpu.skip_reason == DSPARK_CPU_REASON and "Model Runner V1 does not support: dspark" in cpu.skip_reason
+    assert "DSpark drafter" in plan_method("dflash", cfg.methods.dflash, info, tmp_path / "dspark").skip_reason
+    cuda = plan_method("dspark", cfg.methods.dspark, info, tmp_path / "dspark", device="cuda")
+    assert cuda.skip_reason is None and cuda.speculative_config["num_speculative_tokens"] == 4  # every slot drafts

@@ -15,7 +15,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import fake_vllm  # noqa: E402
-
 from draftforge.baselines.harness import run_worker, worker_env  # noqa: E402
 
 SPEC = {"method": "ar", "model": "/nonexistent", "llm_kwargs": {}, "speculative_config": None, "max_new_tokens": 4,

@@ -12,7 +12,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import fake_vllm  # noqa: E402
-
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
 from draftforge.io import write_json  # noqa: E402
@@ -30,7 +29,8 @@ def test_unimportable_vllm_records_skips_for_every_method(tiny_target_info, tmp_
     write_json(root / EXP / "target" / "target.json", tiny_target_info)
     fake = fake_vllm(tmp_path / "fake", "raise ImportError('vllm._C: undefined symbol')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
-    run_stage("baselines", baselines_main, _args(root, "baselines.methods.dflash.enabled=false"))
+    run_stage("baselines", baselines_main, _args(root, "baselines.methods.dflash.enabled=false",
+                                                 "baselines.methods.dspark.enabled=false"))
 
     out = root / EXP / "baselines"
     marker = json.loads((out / "baselines.json").read_text())
@@ -58,8 +58,8 @@ def test_unimportable_vllm_records_skips_for_every_method(tiny_target_info, tmp_
     [
         ((), "train/metrics.json: missing; run the `train` stage first"),
         (("+baselines.methods.medusa.enabled=true", "baselines.methods.dflash.enabled=false"), "override +baselines.methods.medusa.enabled=true"),
-        (("baselines.methods.dflash.model=/nonexistent/drafter",), "/nonexistent/drafter: not an exported drafter"),
-        (("baselines.max_new_tokens=0", "baselines.methods.dflash.enabled=false"), "baselines.max_new_tokens: 0 must be >= 1"),
+        (("baselines.methods.dflash.model=/nonexistent/drafter", "baselines.methods.dspark.enabled=false"), "/nonexistent/drafter: not an exported drafter"),
+        (("baselines.max_new_tokens=0", "baselines.methods.dflash.enabled=false", "baselines.methods.dspark.enabled=false"), "baselines.max_new_tokens: 0 must be >= 1"),
     ],
 )
 def test_bad_input_is_one_stage_error(tiny_target_info, tmp_path, capsys, extra, message):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pyarrow as pa
@@ -110,7 +109,9 @@ def test_hf_disk_without_datasets_is_a_clear_error(tmp_path):
 
 
 def test_gsm_symbolic_training_seeds_must_avoid_eval_seeds():
-    eval_cfg = {"gsm_symbolic": {"seed": 100, "size": 50}}
+    from draftforge.evaluate.config import EvaluateConfig, GsmSymbolicEvalConfig
+
+    eval_cfg = EvaluateConfig(gsm_symbolic=GsmSymbolicEvalConfig(seed=100, size=50))
     src = SourceConfig(name="g", kind="gsm_symbolic", options={"seed": 120, "size": 10})
     with pytest.raises(StageError, match=r"overlap the evaluation seeds \[100, 150\)"):
         list(iter_source(src, min_chars=1, on_malformed="drop", eval_cfg=eval_cfg))
@@ -178,14 +179,6 @@ def test_zero_usable_rows_is_an_error_naming_the_source():
     cfg = CurateConfig(sources=[SourceConfig(name="junk", kind="jsonl")])
     with pytest.raises(StageError, match=r"curate.sources\[junk\]: zero usable rows"):
         _run(cfg, {"junk": [{"foo": 1}, Drop("malformed")]})
-
-
-def test_chitchat_holdout_matches_evaluate_rule():
-    from draftforge.curate.packaged import chitchat_held_out
-    from draftforge.evaluate.prompts import chitchat_is_heldout
-
-    ids = [f"conv-{i}" for i in range(500)]
-    assert [chitchat_held_out(i, 300) for i in ids] == [chitchat_is_heldout(i, 300) for i in ids]
 
 
 def test_sample_subsamples_deterministically_and_counts():

@@ -36,6 +36,10 @@ def test_stage_writes_contract_and_accounts(tmp_path, tiny_target_info):
     assert c["in"] == 61 and c["in"] == c["kept"] + c["dropped"] + c["failed"]
     assert manifest["per_source"]["b"]["dropped"]["malformed"] == 1
     assert manifest["target_fingerprint"] == tiny_target_info["fingerprint"]
+    tr = manifest["truncation"]  # regenerated answers that hit max_new_tokens without an end of turn
+    assert tr["answers"] >= c["kept"] and 0 <= tr["truncated"] <= tr["answers"]
+    assert tr["rate"] == pytest.approx(tr["truncated"] / tr["answers"], abs=1e-4)
+    assert sum(v["answers"] for v in tr["per_source"].values()) == tr["answers"]
     files = manifest["shards"]["train"] + manifest["shards"]["val"]
     assert files and sorted(files) == sorted(p.name for p in ctx.out_dir.glob("*.parquet"))
     rows = 0
@@ -56,8 +60,7 @@ class _Interrupt(KeyboardInterrupt):
 
 
 def test_resume_after_interrupted_regeneration_equals_uninterrupted(tmp_path, tiny_target_info):
-    from draftforge.target.load import load_target_model
-    from draftforge.target.load import load_tokenizer
+    from draftforge.target.load import load_target_model, load_tokenizer
 
     full = make_ctx(tmp_path / "full", tiny_target_info, _sources(tmp_path))
     curate_stage.main(full)

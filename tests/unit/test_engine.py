@@ -12,8 +12,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
-
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, sample, wrap_target  # noqa: E402
 from draftforge.engine.loops import verify_round  # noqa: E402
 from draftforge.engine.methods import Features, make_method  # noqa: E402
@@ -23,6 +21,7 @@ from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.timing import StageTimer  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
+from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

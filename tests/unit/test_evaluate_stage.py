@@ -12,6 +12,7 @@ from draftforge.evaluate.aggregate import aggregate, first_mismatch  # noqa: E40
 from draftforge.evaluate.runner import method_plan, split_turns  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
 
+
 def _args(root: Path, *extra: str) -> list[str]:
     return ["experiment=smoke", "target=tiny-random", f"results_root={root}", "tracking.enabled=false",
             "evaluate.datasets=[chitchat,gsm_symbolic]", "evaluate.gsm_symbolic.size=3", "evaluate.num_prompts=2",
@@ -58,9 +59,8 @@ def test_mtp_method_trained_head_and_missing_head(tmp_path, capsys):
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from evaluate_fixtures import tiny_pipeline
-
     from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+    from evaluate_fixtures import tiny_pipeline
 
     info = tiny_pipeline(tmp_path)
     args = _args(tmp_path, "evaluate.methods=[ar,mtp]", "evaluate.mtp_drafts=2", "evaluate.datasets=[chitchat]")

@@ -53,7 +53,7 @@ def test_fp8_scales_per_token_and_tap():
 
 
 def test_disk_estimate_matches_design_scale_check():
-    """DESIGN.md §3: Qwen3-8B, 5 taps, bf16 ≈ 40 KiB/token; fp8 halves it (+ per-tap scales)."""
+    """docs/architecture.md ("Layer taps"): Qwen3-8B, 5 taps, bf16 ≈ 40 KiB/token; fp8 halves it (+ per-tap scales)."""
     import numpy as np
 
     from draftforge.extract.plan import ShardSpec

@@ -196,26 +196,36 @@ def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
         _run(tmp_path)
 
 
-def test_train_mtp_adds_the_last_layer(tmp_path, tiny_target_info):
-    """train.mtp=true (target without MTP layers): extract also stores the last decoder layer's raw
-    output, and the train sources split it from the drafter's taps."""
+def test_train_mtp_stores_the_last_layer(tmp_path, tiny_target_info):
+    """train.mtp=true → the same single last-layer mechanism as DSpark: the taps stay the drafter's and
+    the shards carry `last_hidden` (the final-normed last layer) as the train source's 4th element."""
     from draftforge.train.features import open_features
 
     make_experiment(tmp_path, tiny_target_info, {"train": [[20, 30]], "val": [[25]]})
     index = _run(tmp_path, "train.mtp=true")
-    last = tiny_target_info["num_layers"] - 1
-    assert index["target_layer_ids"] == TAPS + [last]
-    train_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, torch.float32, mtp=True)
-    last_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, torch.float32, mtp=True, layers=[last])
-    ids, _, taps = train_src[0]
-    _, _, raw = last_src[0]
-    assert taps.shape == (ids.numel(), 2 * 128) and raw.shape == (ids.numel(), 128)
+    assert index["target_layer_ids"] == TAPS and index["meta"]["last_hidden"] is True
+    train_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
+    ids, _, taps, last = train_src[0]
+    assert taps.shape == (ids.numel(), 2 * 128) and last.shape == (ids.numel(), 128)
+
+
+def test_last_layer_stored_when_a_dspark_drafter_trains(tmp_path, tiny_target_info):
+    """train.drafter_type=dspark → shards carry last_hidden = the final-normed last layer (HF hidden_states[-1]),
+    the train source yields it as a 4th element, and the plan key differs from a taps-only run."""
     from transformers import AutoModelForCausalLM
 
+    from draftforge.train.features import open_features
+
+    lengths = {"train": [[20, 9]], "val": [[12]]}
+    make_experiment(tmp_path, tiny_target_info, lengths)
+    index = _run(tmp_path, "train.drafter_type=dspark")
+    assert index["meta"]["last_hidden"] is True
+    train_src, val_src = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_info["hf_path"], dtype=torch.float32).eval()
-    grab = {}
-    model.model.layers[last].register_forward_hook(lambda m, a, o: grab.update(h=o[0] if isinstance(o, tuple) else o))
-    with torch.no_grad():
-        hs = model(ids[None], output_hidden_states=True).hidden_states
-    torch.testing.assert_close(taps, torch.cat([hs[L + 1][0] for L in TAPS], dim=-1), atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(raw, grab["h"][0], atol=1e-3, rtol=1e-3)
+    model.set_attn_implementation("eager")
+    for i in range(len(train_src)):
+        ids, mask, hidden, last = train_src[i]
+        with torch.no_grad():
+            ref = model(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(last, ref, atol=1e-4 * max(1.0, ref.abs().max().item())), i
+    assert len(val_src[0]) == 4

@@ -11,11 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fixtures import prompt, tiny_hybrid_target, tiny_target  # noqa: E402
-
-from draftforge.drafter.mtp import (  # noqa: E402
-    MTPHead, QWEN3_5_NAMES, load_mtp_head, native_mtp_format, trained_head_config)
+from draftforge.drafter.mtp import QWEN3_5_NAMES, MTPHead, load_mtp_head, native_mtp_format, trained_head_config  # noqa: E402
 from draftforge.engine import generate, generate_ar, make_method, wrap_target  # noqa: E402
+from engine_fixtures import prompt, tiny_hybrid_target, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +34,7 @@ def random_head(tm, seed: int = 0, std: float = 0.2) -> MTPHead:
     else:
         head = MTPHead(trained_head_config(cfg.to_dict()), "mimo", "trained")
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std * 2.4 / p.shape[-1] ** 0.5 / 0.2)
     return head.eval()
@@ -157,10 +155,9 @@ def test_mtp_accepts_on_a_copying_target():
 def test_mtp_sampling_matches_target_distribution():
     """First 3 tokens at T=1 on a 4-token vocabulary (Qwen3 target + a trained-form head): Pearson
     chi-square vs the exact joint, α = 1e-3, with the negative control of the engine test."""
-    from unit.test_engine import _chi2_critical, _exact_joint
-
     from draftforge.target.config import RandomTargetConfig
     from draftforge.target.random import build_random_model
+    from unit.test_engine import _chi2_critical, _exact_joint
 
     spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
@@ -219,24 +216,24 @@ def test_recursive_training_rows_match_engine_drafting():
 def test_mtp_training_loss_decreases():
     """A trained head on a tiny target: training loss falls; simulated τ on seen sequences rises above 1."""
     from draftforge.train.head import FrozenTargetHead
-    from draftforge.train.mtp import TargetNorm, train_mtp
+    from draftforge.train.mtp import train_mtp
 
     tm = tiny_target(seed=5, vocab=64)
     head = MTPHead(trained_head_config(tm.hf.config.to_dict()), "mimo", "trained")
     items, grab = [], {}
-    hook = tm.hf.model.layers[-1].register_forward_hook(lambda m, a, o: grab.update(h=o[0] if isinstance(o, tuple) else o))
+    # extract's `last_hidden`: the target's final norm output
+    hook = tm.hf.model.norm.register_forward_hook(lambda m, a, o: grab.update(h=o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
         for s in range(12):  # greedy continuations: predictable text the head can learn
             p = prompt(tm.vocab_size, 4, seed=s)
             ids = torch.tensor(p + generate_ar(tm, p, 28).tokens)
             tm.hf(ids[None])
-            items.append((ids, torch.ones(ids.numel(), dtype=torch.uint8), grab["h"][0]))  # raw last-layer output
+            items.append((ids, torch.ones(ids.numel(), dtype=torch.uint8), None, grab["h"][0]))  # (ids, mask, taps, last)
     hook.remove()
     from draftforge.train.data import InMemorySource
 
-    norm = TargetNorm(tm.norm.weight.detach(), tm.norm.variance_epsilon, zero_centered=False)
     frozen = FrozenTargetHead(tm.embed.weight.detach().clone(), tm.lm_head.weight.detach().clone())
-    res = train_mtp(head, frozen, norm, InMemorySource(items[:10]), InMemorySource(items[:2]), steps=60, lr=3e-3,
+    res = train_mtp(head, frozen, InMemorySource(items[:10]), InMemorySource(items[:2]), steps=60, lr=3e-3,
                     depth=2, rows=64, val_drafts=3, eval_every=30, max_len=64, val_max_seqs=2)
     first, last = sum(r["mtp_loss"] for r in res.history[:5]) / 5, sum(r["mtp_loss"] for r in res.history[-5:]) / 5
     assert last < 0.7 * first, (first, last)

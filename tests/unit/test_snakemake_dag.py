@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from draftforge.stages import STAGE_MARKERS, STAGE_TABLE, STAGES
+
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-STAGES = ["target", "curate", "extract", "train", "evaluate", "baselines", "report"]
 
 
 def dry_run(results_root: Path, *config: str, extra: tuple[str, ...] = ()) -> str:
@@ -42,3 +44,62 @@ def test_stage_commands_carry_only_their_overrides(tmp_path: Path) -> None:
     for stage in STAGES:
         assert ("evaluate.num_prompts=3" in by_stage[stage]) == (stage in readers), by_stage[stage]
         assert by_stage[stage].count("results_root=") == 1
+
+
+@pytest.fixture(scope="module")
+def finished_copy(tmp_path_factory) -> Path:
+    """A copy of the workflow whose every stage is marked finished (`--touch --forceall` records each job's
+    params as Snakemake's metadata), so dry-runs show exactly what a config change reruns."""
+    repo = tmp_path_factory.mktemp("finished")
+    for name in ("Snakefile", "conf", "workflow"):
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, repo / name)
+    for stage, marker in STAGE_MARKERS.items():
+        path = repo / "results" / "smoke" / stage / marker
+        path.parent.mkdir(parents=True)
+        path.touch()
+    run_snakemake(repo, "--touch", "--forceall", "--config", "experiment=smoke", f"results_root={repo / 'results'}")
+    return repo
+
+
+def run_snakemake(repo: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([SNAKEMAKE, "--cores", "1", *args], capture_output=True, text=True, timeout=300, cwd=repo, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+def rerun(repo: Path, *overrides: str) -> set[str]:
+    out = run_snakemake(repo, "-n", "--config", "experiment=smoke", f"results_root={repo / 'results'}", f"overrides={list(overrides)!r}".replace("'", '"'))
+    return set() if "Nothing to be done" in out else set(planned_jobs(out)) - {"all"}
+
+
+def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:
+    assert rerun(finished_copy) == set()
+    # report computes the parity check from both engines' rows: an evaluate change reruns it
+    assert rerun(finished_copy, "evaluate.budgets=[2,4]") == {"evaluate", "report"}
+    assert rerun(finished_copy, "evaluate.num_prompts=2") == {"evaluate", "baselines", "report"}
+    assert rerun(finished_copy, "evaluate.chitchat.holdout_per_10k=200") == set(STAGES) - {"target"}
+    assert rerun(finished_copy, "train.lr=0.001") == {"train", "evaluate", "baselines", "report"}
+    assert rerun(finished_copy, "report.parity_tolerance=0.1") == {"report"}
+
+
+def test_every_stage_reads_what_the_table_declares() -> None:
+    output = dry_run(Path("/nonexistent-results"), "experiment=smoke", extra=("--forceall",))
+    for stage in STAGE_TABLE:
+        block = re.search(rf"^(?:local)?rule {stage.name}:\n((?:    .*\n)+)", output, flags=re.M).group(1)
+        inputs = re.search(r"input: (.*)", block)
+        declared = [Path(p).parent.name for p in inputs.group(1).split(", ")] if inputs else []
+        assert declared == list(stage.inputs), stage.name
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("evaluate.budgets=[0]", "evaluate.budgets"), ("train.device=tpu", "train.device"),
+     ("evaluate.chitchat.holdout_per_10k=-1", "evaluate.chitchat.holdout_per_10k")],
+)  # fmt: skip
+def test_a_bad_value_fails_the_dry_run_naming_the_key(tmp_path: Path, override: str, named: str) -> None:
+    cmd = [SNAKEMAKE, "-n", "--cores", "1", "--config", f"results_root={tmp_path}", f'overrides=["{override}"]']
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ})
+    assert result.returncode != 0
+    assert f"{named}: " in result.stdout + result.stderr
+    assert "Job stats" not in result.stdout  # nothing was planned, let alone run

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import make_inputs, synthetic_items, write_extract_index  # noqa: E402
-
 from draftforge.errors import StageError  # noqa: E402
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.data import anchor_candidates, collate, draw_anchors, epoch_order, rank_share  # noqa: E402
 from draftforge.train.loop import lr_lambda, train, val_indices  # noqa: E402
 from draftforge.train.loss import BlockOutputs, block_losses, slot_stats, slot_weights, summarize  # noqa: E402
+from train_fixtures import make_inputs, synthetic_items, write_extract_index  # noqa: E402
 
 
 @pytest.fixture(scope="module")

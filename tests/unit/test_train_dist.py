@@ -1,7 +1,7 @@
-"""Distributed and resume behaviour of the training loop (issue 5 "Done when").
+"""Distributed and resume behaviour of the training loop (resume and rank-count invariance).
 
-- 2 gloo processes sharing a global batch follow the 1-process loss curve (same data, same
-  normalization) within float tolerance.
+- Global batch = per-rank batch x ranks: 2 gloo processes of b sequences each follow the loss curve
+  of 1 process of 2b sequences (same data, same normalization) within float tolerance.
 - Interrupt + resume == uninterrupted: step count, optimizer state and curve continue.
 """
 
@@ -17,10 +17,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_fixtures import make_inputs, synthetic_items  # noqa: E402
-
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
+from train_fixtures import make_inputs, synthetic_items  # noqa: E402
 
 
 def cfg_for(**kw) -> TrainConfig:
@@ -48,7 +47,7 @@ def _worker(rank: int, world: int, port: int, info: dict, data_path: str, ckpt: 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         items = torch.load(data_path, weights_only=False)
-        res = train(make_inputs(info, cfg_for(), items, items[:3], Path(ckpt), rank=rank, world=world))
+        res = train(make_inputs(info, cfg_for(batch_seqs=2), items, items[:3], Path(ckpt), rank=rank, world=world))
         if rank == 0:
             torch.save({"history": res.history, "evals": res.evals,
                         "weights": {k: v.clone() for k, v in res.model.state_dict().items()}}, out_path)
@@ -56,8 +55,8 @@ def _worker(rank: int, world: int, port: int, info: dict, data_path: str, ckpt: 
         dist.destroy_process_group()
 
 
-def test_two_gloo_processes_match_one_process(tiny_target_info, items, tmp_path):
-    single = train(make_inputs(tiny_target_info, cfg_for(), items, items[:3], tmp_path / "single"))
+def test_two_gloo_ranks_of_b_match_one_process_of_2b(tiny_target_info, items, tmp_path):
+    single = train(make_inputs(tiny_target_info, cfg_for(batch_seqs=4), items, items[:3], tmp_path / "single"))
     torch.save(items, tmp_path / "items.pt")
     mp.start_processes(_worker, args=(2, _free_port(), tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path / "ddp"),
                                       str(tmp_path / "ddp.pt")), nprocs=2, join=True, start_method="spawn")

@@ -2,6 +2,7 @@
 import shlex
 from draftforge.config import stage_overrides
 from draftforge.paths import stage_dir, stage_marker
+from draftforge.stages import STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []
@@ -29,26 +30,32 @@ def params_of(stage):
     return stage_params(CFG, stage)
 
 
-def stage_cmd(stage, nproc=1, gpus=0):
+def gpus(stage):
+    """GPUs the stage's config asks for (its `gpus` key; stages without one run on CPU)."""
+    return int(CFG[stage].get("gpus", 0)) if stage in CFG else 0
+
+
+def nprocs(stage):
+    """Processes the stage runs as: one per GPU, else its `cpu_procs` (default 1)."""
+    n_gpus = gpus(stage)
+    return n_gpus if n_gpus > 0 else max(1, int(CFG[stage].get("cpu_procs", 1)) if stage in CFG else 1)
+
+
+def stage_cmd(stage):
     """Shell command running one stage; torchrun when it spans several processes or GPUs.
 
     Holds only what the config decides (no core counts), so it is safe to track in params.
     """
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES)]
     quoted = " ".join(shlex.quote(a) for a in args)
-    n = nprocs(nproc, gpus)
-    if n > 1 or gpus > 0:
-        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n}"
+    if nprocs(stage) > 1 or gpus(stage) > 0:
+        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {nprocs(stage)}"
         return f"{launch} -m draftforge.{stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
-
-
-def nprocs(nproc=1, gpus=0):
-    return gpus if gpus > 0 else max(1, nproc)
 
 
 # The job's cores split over its processes (unset, Snakemake would leave each process 1 thread).
 STAGE_SHELL = (
     "OMP_NUM_THREADS=$(( {threads} > {params.nproc} ? {threads} / {params.nproc} : 1 )) "
-    "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log} 2>&1"
+    "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_OMP_THREADS_BIND=nobind {params.cmd} > {log:q} 2>&1"
 )

@@ -1,1 +1,1 @@
-"""`baselines` stage (see DESIGN.md §3)."""
+"""`baselines` stage (contracts: docs/architecture.md)."""

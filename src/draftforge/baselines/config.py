@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from draftforge.errors import check
+
 # vLLM `speculative_config.method` values this stage knows how to configure (None = no speculation).
 KNOWN_METHODS: Dict[str, Optional[str]] = {
     "ar": None,
     "ngram": "ngram",
     "dflash": "dflash",
+    "dspark": "dspark",
     "mtp": "mtp",
     "eagle3": "eagle3",
 }
@@ -24,9 +27,10 @@ KNOWN_METHODS: Dict[str, Optional[str]] = {
 @dataclass
 class MethodConfig:
     enabled: bool = True
-    # Draft tokens per step; null → dflash: block_size − 1 of the drafter, mtp: the target's MTP layers.
+    # Draft tokens per step; null → dflash: block_size − 1 of the drafter, dspark: the drafter's drafts per
+    # block (block_size with DSpark's default block), mtp: the target's MTP layers.
     num_speculative_tokens: Optional[int] = None
-    # Draft model folder; dflash: null → results/<exp>/train/drafter; eagle3: required.
+    # Draft model folder; dflash / dspark: null → results/<exp>/train/drafter; eagle3: required.
     model: Optional[str] = None
     # ngram only: n-gram window searched in prompt + output.
     prompt_lookup_min: Optional[int] = None
@@ -38,6 +42,7 @@ def _default_methods() -> Dict[str, MethodConfig]:
         "ar": MethodConfig(),
         "ngram": MethodConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
         "dflash": MethodConfig(),
+        "dspark": MethodConfig(),  # recorded skip unless the trained drafter is a DSpark drafter
         "mtp": MethodConfig(),
         "eagle3": MethodConfig(enabled=False, num_speculative_tokens=3),
     }
@@ -72,5 +77,14 @@ class BaselinesConfig:
     # Optional concurrency sweep: per method one more engine (max_num_seqs = max value) that runs c
     # simultaneous greedy requests for each c; aggregate tokens/s and τ. Empty = off (batch size 1 only).
     concurrency: List[int] = field(default_factory=list)
-    # Parity of vLLM-DFlash τ with our standalone DFlash τ (evaluate stage), relative tolerance.
-    parity_tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.methods if n not in KNOWN_METHODS]
+        check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(KNOWN_METHODS)}")
+        check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "baselines.temperatures",
+              f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
+        check(self.max_new_tokens is None or self.max_new_tokens >= 1, "baselines.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        check(self.datasets is None or bool(self.datasets), "baselines.datasets", "empty (null = evaluate.datasets)")
+        check(self.device in ("auto", "cpu", "cuda"), "baselines.device", f"{self.device!r} must be auto, cpu or cuda")
+        check(self.kv_cache_gib > 0, "baselines.kv_cache_gib", f"{self.kv_cache_gib} must be > 0")
+        check(all(c >= 1 for c in self.concurrency), "baselines.concurrency", f"{list(self.concurrency)} must be values >= 1")

@@ -5,7 +5,7 @@ A snapshot is the plain form of `llm.get_metrics()`:
 Every figure comes from the difference of two snapshots taken around a measured segment, so the
 warm-up (and earlier segments in the same engine) never count.
 
-τ (acceptance length, DESIGN.md §5) = tokens committed per target verification step, bonus included
+τ (acceptance length, docs/architecture.md "Decoding and metrics") = tokens committed per target verification step, bonus included
 = 1 + Δaccepted / Δdrafts. Per-position acceptance rate p_k = Δaccepted_per_pos[k] / Δdrafts.
 """
 

@@ -98,7 +98,7 @@ def save_mtp_target(spec: RandomTargetConfig, out_dir: str | Path, num_mtp_layer
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).float().eval()
     with torch.no_grad():  # larger-than-default init: logits far from uniform, no greedy ties
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 2.4 / param.shape[-1] ** 0.5)
     if predictable:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from draftforge.chat import prompt_ids
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
@@ -30,11 +31,7 @@ def render(tokenizer: Any, messages: Messages, where: str) -> list[int]:
     """Chat template with the generation prompt → token ids (transformers 5: BatchEncoding)."""
     if not messages or messages[-1].get("role") != "user":
         raise StageError(f"{where}: a prompt must be a non-empty conversation ending on a user turn")
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
-    if ids and isinstance(ids[0], list):  # batched form
-        ids = ids[0]
-    return [int(t) for t in ids]
+    return prompt_ids(tokenizer, messages)
 
 
 def render_sets(tokenizer: Any, sets: Mapping[str, Sequence[Messages]]) -> dict[str, list[dict[str, Any]]]:

@@ -1,4 +1,4 @@
-"""Worker results → report rows (the keys shared with `evaluate`), speedup, lossless check, parity.
+"""Worker results → report rows (the keys shared with `evaluate`), speedup, lossless check.
 
 Pure functions over plain dicts. Invariants: a row carries numbers only when its method's engine
 ran (status "ok"); skipped/failed rows carry the reason and nulls. Speedup = mean TPOT(vLLM AR) /
@@ -8,22 +8,17 @@ whose tokens differ from vLLM AR's tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from draftforge.baselines.metrics import acceptance, check_consistency, delta, timing_summary
+from draftforge.rows import Row, new_row
 
 ENGINE = "vllm"
-ROW_KEYS = ("dataset", "method", "budget", "engine", "temperature", "tokens_per_s", "tpot_ms", "ttft_ms", "tau",
-            "speedup_vs_ar", "lossless_mismatches", "n_prompts")  # fmt: skip
 
 
-def empty_row(method: str, dataset: str, temperature: float, status: str, reason: str | None) -> dict[str, Any]:
-    row: dict[str, Any] = {k: None for k in ROW_KEYS}
-    row.update(dataset=dataset, method=method, engine=ENGINE, temperature=float(temperature), status=status, reason=reason)
-    return row
+def empty_row(method: str, dataset: str, temperature: float, status: str, reason: str | None) -> Row:
+    return new_row(dataset, method, ENGINE, temperature, status=status, reason=reason)
 
 
 def segment_summary(segment: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,56 +88,6 @@ def add_comparisons(rows: list[dict[str, Any]], results: Mapping[str, Mapping[st
             mine = _tokens_by_prompt(results[row["method"]]).get(key, {})
             ref = ar_tokens[key]
             row["lossless_mismatches"] = sum(1 for pid, toks in mine.items() if ref.get(pid) != toks)
-
-
-def standalone_dflash_tau(evaluate_marker: Path, method: str = "dflash") -> dict[str, dict[str, Any]]:
-    """Our engine's rows of `method` (DFlash by default) at T = 0 per dataset, from the evaluate stage's marker."""
-    try:
-        data = json.loads(evaluate_marker.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    found: dict[str, dict[str, Any]] = {}
-    for row in data.get("rows") or [] if isinstance(data, dict) else []:
-        if not isinstance(row, dict) or row.get("method") != method or row.get("engine") == ENGINE:
-            continue
-        if row.get("tau") is None or float(row.get("temperature") or 0.0) != 0.0:
-            continue
-        found.setdefault(str(row.get("dataset")), row)
-    return found
-
-
-def parity_block(rows: Sequence[Mapping[str, Any]], evaluate_dir: Path, tolerance: float, method: str = "dflash") -> dict[str, Any]:
-    """vLLM τ beside our standalone τ of one method (DFlash, or the MTP head), same prompts, T = 0
-    (|Δ| / standalone ≤ tolerance)."""
-    marker = evaluate_dir / "evaluate.json"
-    block: dict[str, Any] = {"tolerance": tolerance, "source": str(marker), "datasets": {}, "all_within": None}
-    if not marker.is_file():
-        block["available"] = False
-        block["reason"] = "no finished evaluate stage (evaluate.json): run evaluate, then rerun baselines"
-        return block
-    ours = standalone_dflash_tau(marker, method)
-    vllm_rows = {r["dataset"]: r for r in rows if r["method"] == method and r["temperature"] == 0.0 and r.get("tau") is not None}
-    for dataset in sorted(set(ours) | set(vllm_rows)):
-        mine, theirs = vllm_rows.get(dataset), ours.get(dataset)
-        entry: dict[str, Any] = {
-            "vllm_tau": mine["tau"] if mine else None,
-            "standalone_tau": float(theirs["tau"]) if theirs else None,
-            "vllm_n_prompts": mine["n_prompts"] if mine else None,
-            "standalone_n_prompts": theirs.get("n_prompts") if theirs else None,
-            "rel_diff": None,
-            "within_tolerance": None,
-        }
-        if mine and theirs and float(theirs["tau"]) > 0:
-            entry["rel_diff"] = abs(mine["tau"] - float(theirs["tau"])) / float(theirs["tau"])
-            entry["within_tolerance"] = entry["rel_diff"] <= tolerance
-        block["datasets"][dataset] = entry
-    checked = [e["within_tolerance"] for e in block["datasets"].values() if e["within_tolerance"] is not None]
-    block["available"] = bool(checked)
-    if checked:
-        block["all_within"] = all(checked)
-    else:
-        block["reason"] = f"no dataset has both a vLLM {method} τ and a standalone {method} τ at T=0"
-    return block
 
 
 def concurrency_rows(method: str, result: Mapping[str, Any]) -> list[dict[str, Any]]:

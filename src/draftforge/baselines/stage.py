@@ -2,7 +2,7 @@
 
 Outputs under results/<exp>/baselines/: `<method>.json` per method (rows, counters, per-prompt
 timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
-all rows, method statuses, parity block). Worker specs/results live in the work dir.
+all rows, method statuses; report checks parity against evaluate). Worker specs/results live in the work dir.
 A missing vLLM is a recorded skip with its reason in every row, never numbers.
 """
 
@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
-from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, parity_block, segment_summary
+from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
 from draftforge.errors import StageError
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.runtime import cuda_device_count, device_kind
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,6 @@ def enabled_methods(bcfg: Any) -> list[str]:
     if not names:
         raise StageError("baselines.methods: every method is disabled")
     return sorted(names, key=lambda n: n != "ar")
-
-
-def resolve_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def vllm_missing_reason() -> str | None:
@@ -73,15 +66,11 @@ def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
     max_new = int(b.max_new_tokens if b.max_new_tokens is not None else ev.max_new_tokens)
     if not datasets:
         raise StageError("baselines.datasets: empty")
-    if max_new < 1:
-        raise StageError(f"baselines.max_new_tokens: {max_new} must be >= 1")
-    if not b.temperatures or any(t < 0 for t in b.temperatures):
-        raise StageError(f"baselines.temperatures: {list(b.temperatures)} must be a non-empty list of values >= 0")
     return datasets, num_prompts, max_new
 
 
 def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
-    if "dflash" not in names or ctx.cfg.baselines.methods.dflash.model:
+    if not any(m in names and not ctx.cfg.baselines.methods[m].model for m in ("dflash", "dspark")):
         return None
     ctx.input_marker("train")  # clear error when training has not finished
     return ctx.input_dir("train") / "drafter"
@@ -94,8 +83,6 @@ def run_concurrency_sweep(ctx: Any, names: list[str], plans: dict[str, MethodPla
     levels = sorted({int(c) for c in ctx.cfg.baselines.concurrency})
     if not levels:
         return {}
-    if levels[0] < 1:
-        raise StageError(f"baselines.concurrency: {levels} must be values >= 1")
     pool = [p for seg in segments if seg["temperature"] == segments[0]["temperature"] for p in seg["prompts"]]
     sweep: dict[str, list[dict[str, Any]]] = {}
     for name in tqdm(names, desc="baselines concurrency", disable=not ctx.is_rank0):
@@ -169,13 +156,14 @@ def main(ctx: Any) -> None:
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
     mtp_dir = ctx.input_dir("train") / "mtp" if "mtp" in names else None  # a trained head, when train made one
-    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, mtp_dir) for name in names}
+    device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device, trained_mtp_dir=mtp_dir)
+             for name in names}
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
-    device = resolve_device(str(b.device))
     settings = resolve_settings(b, info, device, longest, max_new)
     env = worker_env(device, settings.in_process_engine)
     log.info("baselines: methods %s on %s; %d prompts/dataset over %s; max_new_tokens %d; device %s",
@@ -206,6 +194,8 @@ def main(ctx: Any) -> None:
             for row in rows_by_method[name]:
                 row["mtp_source"] = plans[name].source
     all_rows = [row for name in names for row in rows_by_method[name]]
+    for row in all_rows:  # which drafter a row used (the report's `drafter` column)
+        row["drafter"] = row["method"] if row["method"] in ("dflash", "dspark") else None
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():
@@ -213,8 +203,6 @@ def main(ctx: Any) -> None:
             record["concurrency"] = sweep[name]
         write_json(ctx.out_dir / f"{name}.json", record)
 
-    parity = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance))
-    parity_mtp = parity_block(all_rows, ctx.input_dir("evaluate"), float(b.parity_tolerance), method="mtp")
     marker = {
         "engine": ENGINE,
         "target": info["name"],
@@ -228,8 +216,6 @@ def main(ctx: Any) -> None:
         "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
         "rows": all_rows,
         "concurrency_rows": [row for name in names for row in sweep.get(name, [])],
-        "parity": parity,
-        "parity_mtp": parity_mtp,  # the MTP head: vLLM τ vs the standalone engine's `mtp` τ
         "config": to_plain(b),
     }
     if ctx.is_rank0:

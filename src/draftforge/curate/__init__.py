@@ -1,1 +1,1 @@
-"""`curate` stage (see DESIGN.md §3)."""
+"""`curate` stage (contracts: docs/architecture.md)."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from draftforge.errors import check
+
 SOURCE_KINDS = (
     "jsonl", "parquet", "hf_disk",  # generic files; records in ShareGPT, OpenAI or prompt/response form
-    "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code",  # packaged default-world corpora
+    "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code", "reasoning_gym",  # packaged default-world corpora
 )  # fmt: skip
 
 
@@ -26,22 +28,27 @@ class SourceConfig:
     # Deterministic streaming subsample: a record is considered iff hash(id) < sample (spreads a
     # quota over a whole ordered source, e.g. all stdlib modules rather than the first few).
     sample: float = 1.0
-    # Kind-specific: gsm_symbolic {seed, size}; chitchat {max_turns}; chatterbot {categories};
-    # stdlib_code {tasks, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
+    # Kind-specific: gsm_symbolic {seed, size}; reasoning_gym {tasks (task or family names), seed, size per task};
+    # chitchat {max_turns}; chatterbot {categories};
+    # stdlib_code {tasks, tasks_per_function, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
     options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class FilterConfig:
     min_chars: int = 2  # every message's stripped content must be at least this long
-    max_prompt_chars: int = 4000  # the prompt (all turns before the final assistant turn)
+    max_prompt_chars: int = 3000  # the prompt (all turns before the final assistant turn)
     max_prompt_tokens: int = 384  # prompt in target tokens (checked before regeneration)
     min_tokens: int = 8  # whole rendered conversation, after regeneration
-    max_tokens: int = 1024  # whole rendered conversation, after regeneration
+    max_tokens: int = 768  # whole rendered conversation, after regeneration
     # What a source yielding zero usable rows does: "error" (StageError naming it) or "warn".
     on_empty_source: str = "error"
     # What a malformed record (bad JSON line, missing fields) does: "drop" (counted) or "error".
     on_malformed: str = "drop"
+
+    def __post_init__(self) -> None:
+        check(self.on_empty_source in ("error", "warn"), "curate.filters.on_empty_source", f"{self.on_empty_source!r}: use error or warn")
+        check(self.on_malformed in ("drop", "error"), "curate.filters.on_malformed", f"{self.on_malformed!r}: use drop or error")
 
 
 @dataclass
@@ -72,20 +79,43 @@ class RegenerateConfig:
     backend: str = "auto"  # auto (vllm if importable, else hf) | vllm | hf
     temperature: float = 0.0
     top_p: float = 1.0
-    max_new_tokens: int = 160
-    chunk_rows: int = 64  # rows per persisted chunk (unit of resume)
+    # Sized to the measured CPU decode rate (~75-130 new tok/s, 135M fp32, 2 cores); raise on a faster machine.
+    max_new_tokens: int = 64
+    chunk_rows: int = 128  # rows per persisted chunk (unit of resume)
     batch_size: int = 16  # HF generate batch
-    truncated: str = "drop"  # hit max_new_tokens without EOS: drop (counted failure) | keep (no EOS in mask)
+    # A reply cut at max_new_tokens: keep (still the target's own text; trained without the end-of-turn
+    # token, counted in manifest.truncated_kept) | drop (counted as a failure).
+    truncated: str = "keep"
     seed: int = 0
-    vllm_kv_cache_bytes: int = 268435456  # 256 MiB
+    vllm_kv_cache_bytes: int = 1 << 30  # 1 GiB ≈ 23K tokens of SmolLM2 KV (46 KB/token): ~48 concurrent rows
     vllm_max_model_len: int = 1024
     vllm_max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        check(self.backend in ("auto", "vllm", "hf"), "curate.regenerate.backend", f"{self.backend!r}: use auto, vllm or hf")
+        check(self.truncated in ("drop", "keep"), "curate.regenerate.truncated", f"{self.truncated!r}: use drop or keep")
+
+
+def default_world_sources() -> list[SourceConfig]:
+    """Four packaged real sources: 2.3K selected prompts → ≥ 2K regenerated training rows on 2 CPU cores."""
+    return [
+        # chitchat-dataset (MIT): real multi-turn chats; evaluate's held-out ids skipped
+        SourceConfig(name="chitchat", kind="chitchat", weight=0.35, options={"max_turns": 3}),
+        # chatterbot-corpus (BSD): English Q→A, incl. coding/computers
+        SourceConfig(name="chatterbot", kind="chatterbot", weight=0.15),
+        # reasoning-gym (Apache-2.0): item seeds [0, 3000), disjoint from evaluation's
+        SourceConfig(name="gsm_symbolic", kind="gsm_symbolic", weight=0.2, options={"seed": 0, "size": 3000}),
+        # Python stdlib functions → explain / docstring / complete / review prompts; sample spreads the
+        # quota over all modules (file order is alphabetical)
+        SourceConfig(name="stdlib_code", kind="stdlib_code", weight=0.3, sample=0.2,
+                     options={"min_function_lines": 4, "max_function_lines": 24}),  # fmt: skip
+    ]
 
 
 @dataclass
 class CurateConfig:
-    sources: List[SourceConfig] = field(default_factory=list)
-    max_rows: Optional[int] = None  # cap on the kept mixture (split by source weight)
+    sources: List[SourceConfig] = field(default_factory=default_world_sources)
+    max_rows: Optional[int] = 2300  # cap on the kept mixture (split by source weight); null = no cap
     val_fraction: float = 0.05  # row in val iff hash(id) falls below it (deterministic)
     seed: int = 0
     shard_rows: int = 2048  # rows per parquet shard
@@ -97,3 +127,10 @@ class CurateConfig:
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     options: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check(bool(self.sources), "curate.sources", "empty; list at least one source")
+        names = [s.name for s in self.sources]
+        check(len(set(names)) == len(names), "curate.sources", f"names must be unique, got {names}")
+        check(0 <= self.val_fraction < 1, "curate.val_fraction", f"{self.val_fraction} must be in [0, 1)")
+        check(self.mask_turns in ("last", "all"), "curate.mask_turns", f"{self.mask_turns!r}: use last or all")

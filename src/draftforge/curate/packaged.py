@@ -1,6 +1,7 @@
 """Packaged default-world corpora (no downloads): chitchat-dataset, chatterbot-corpus (English),
-reasoning-gym gsm_symbolic (seeded, disjoint from the evaluation seeds), and code prompts built from
-functions of the Python standard library. Every adapter is deterministic for a given config.
+reasoning-gym gsm_symbolic and many other reasoning-gym task families (procedural, seeded, disjoint
+from the evaluation seeds: as many prompts as asked for), and code prompts built from functions of the
+Python standard library. Every adapter is deterministic for a given config.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from draftforge import holdout
 from draftforge.curate.config import SourceConfig
 from draftforge.curate.schema import Drop, Row, normalize_messages
 from draftforge.errors import StageError
+from draftforge.evaluate.config import EvaluateConfig
 
 Item = Row | Drop
 
@@ -28,15 +31,6 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _eval_opt(eval_cfg: Any, path: str, default: Any) -> Any:
-    node = eval_cfg
-    for key in path.split("."):
-        if node is None:
-            return default
-        node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
-    return default if node is None else node
-
-
 def _build(source: str, key: str, raw: list[dict[str, str]], min_chars: int) -> Item:
     try:
         return Row(id=f"{source}:{key}", source=source, messages=normalize_messages(raw, min_chars))
@@ -44,9 +38,9 @@ def _build(source: str, key: str, raw: list[dict[str, str]], min_chars: int) -> 
         return drop
 
 
-def chitchat_held_out(conv_id: str, holdout_per_10k: int) -> bool:
-    """Same rule as the evaluate stage's held-out chitchat slice (sha256 of the conversation id)."""
-    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:8], 16) % 10000 < holdout_per_10k
+def _evaluate_section(eval_cfg: Any) -> Any:
+    """The evaluate section whose held-out prompts training must not see (None → its defaults)."""
+    return EvaluateConfig() if eval_cfg is None else eval_cfg
 
 
 def iter_chitchat(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
@@ -54,11 +48,11 @@ def iter_chitchat(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[
     newline), first `max_turns` groups, ending on a user turn (the assistant turn is regenerated)."""
     path = _package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json"
     max_turns = int(src.options.get("max_turns", 3))
-    holdout = int(_eval_opt(eval_cfg, "chitchat.holdout_per_10k", 0))
+    holdout_per_10k = int(_evaluate_section(eval_cfg).chitchat.holdout_per_10k)
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     for conv_id, conv in data.items():
-        if holdout and chitchat_held_out(conv_id, holdout):
+        if holdout.chitchat_is_heldout(conv_id, holdout_per_10k):
             yield Drop("eval_holdout")
             continue
         groups = conv.get("messages") if isinstance(conv, dict) else None
@@ -100,24 +94,80 @@ def iter_chatterbot(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterato
             yield _build(src.name, f"{file.stem}-{n}", [{"role": "user", "content": first}], min_chars)
 
 
+def _check_seeds(src: SourceConfig, seed: int, size: int, eval_cfg: Any) -> None:
+    """Training seeds [seed, seed + size) must not meet the evaluation seeds (holdout.gsm_symbolic_seed_range)."""
+    held = holdout.gsm_symbolic_seed_range(_evaluate_section(eval_cfg))
+    if holdout.seed_ranges_overlap(range(seed, seed + size), held):
+        raise StageError(
+            f"curate.sources[{src.name}].options: seeds [{seed}, {seed + size}) overlap the evaluation seeds "
+            f"[{held.start}, {held.stop}) (evaluate.gsm_symbolic)"
+        )
+
+
 def iter_gsm_symbolic(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
-    """Item i of create_dataset(seed=s) is drawn from Random(s + i): training seeds [seed, seed + size)
-    must not meet the evaluation seeds [eval_seed, eval_seed + eval_size)."""
+    """gsm_symbolic items of seeds [seed, seed + size), disjoint from evaluation's."""
     import reasoning_gym
 
     seed = int(src.options.get("seed", 0))
     size = int(src.options.get("size", 1000))
-    eval_seed = int(_eval_opt(eval_cfg, "gsm_symbolic.seed", 1_000_000_000))
-    eval_size = int(_eval_opt(eval_cfg, "gsm_symbolic.size", 200))
-    if seed < eval_seed + eval_size and eval_seed < seed + size:
-        raise StageError(
-            f"curate.sources[{src.name}].options: seeds [{seed}, {seed + size}) overlap the evaluation seeds "
-            f"[{eval_seed}, {eval_seed + eval_size}) (evaluate.gsm_symbolic)"
-        )
+    _check_seeds(src, seed, size, eval_cfg)
     ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=size)
     for i in range(size):
         item = ds[i]
         yield _build(src.name, f"s{seed + i}", [{"role": "user", "content": item["question"]}], min_chars)
+
+
+# reasoning-gym task families of the `reasoning_gym` source (fast generators, prompts < 1.2K chars;
+# measured on the 2-core machine: 0.01-4 ms per item; zebra_puzzles 360 ms, number_sequence 240 ms and
+# polynomial_multiplication 24 ms per item are left out, codeio's prompts exceed the prompt filter).
+REASONING_GYM_TASKS = {
+    "arithmetic": ["basic_arithmetic", "chain_sum", "decimal_arithmetic", "fraction_simplification", "gcd", "lcm",
+                   "prime_factorization", "complex_arithmetic", "bitwise_arithmetic", "base_conversion", "count_bits"],
+    "word_problems": ["leg_counting", "calendar_arithmetic", "time_intervals", "dice", "simple_geometry"],
+    "strings": ["word_sorting", "letter_counting", "spell_backward", "caesar_cipher", "number_sorting", "sentence_reordering",
+                "word_sequence_reversal", "letter_jumble", "string_manipulation", "isomorphic_strings", "ransom_note",
+                "group_anagrams"],
+    "logic": ["propositional_logic", "syllogism", "knights_knaves", "family_relationships"],
+    "puzzles": ["shortest_path", "course_schedule", "maze", "mini_sudoku", "cryptarithm", "tower_of_hanoi",
+                "rotate_matrix", "list_functions"],
+}  # fmt: skip
+
+
+def reasoning_gym_tasks(src: SourceConfig) -> list[str]:
+    """options.tasks: task or family names (default: every family above), in order, without repeats."""
+    wanted = list(src.options.get("tasks") or REASONING_GYM_TASKS)
+    out: list[str] = []
+    for name in wanted:
+        for task in REASONING_GYM_TASKS.get(str(name), [str(name)]):
+            if task not in out:
+                out.append(task)
+    return out
+
+
+def iter_reasoning_gym(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
+    """Procedural prompts of several reasoning-gym tasks, interleaved (item i of every task, then
+    item i + 1, ...) so a quota spreads over all tasks; each task draws item seeds [seed, seed + size),
+    disjoint from the evaluation seeds. Unbounded data: raise `size` for more rows."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    seed = int(src.options.get("seed", 0))
+    size = int(src.options.get("size", 1000))
+    _check_seeds(src, seed, size, eval_cfg)
+    tasks = reasoning_gym_tasks(src)
+    unknown = [t for t in tasks if t not in DATASETS]
+    if unknown:
+        raise StageError(f"curate.sources[{src.name}].options.tasks: unknown reasoning-gym task(s) {unknown}; "
+                         f"families: {sorted(REASONING_GYM_TASKS)}")
+    datasets = {t: reasoning_gym.create_dataset(t, seed=seed, size=size) for t in tasks}
+    for i in range(size):
+        for task, ds in datasets.items():
+            try:
+                question = ds[i]["question"]
+            except Exception as exc:  # a generator that fails on one seed: counted, not fatal
+                yield Drop("generator_error", f"{task} s{seed + i}: {type(exc).__name__}")
+                continue
+            yield _build(src.name, f"{task}:s{seed + i}", [{"role": "user", "content": question}], min_chars)
 
 
 STDLIB_TASKS = {
@@ -127,7 +177,14 @@ STDLIB_TASKS = {
     "complete": "Complete the body of this Python function from `{module}`:\n\n```python\n{code}\n```",
     "review": "Review this Python function from `{module}`: what could go wrong, and how would you test it?"
     "\n\n```python\n{code}\n```",
+    "tests": "Write pytest unit tests for this Python function from `{module}`:\n\n```python\n{code}\n```",
+    "type_hints": "Add type hints to this Python function from `{module}` and explain each choice:\n\n"
+    "```python\n{code}\n```",
+    "refactor": "Refactor this Python function from `{module}` for readability, keeping its behaviour:\n\n"
+    "```python\n{code}\n```",
+    "translate": "Rewrite this Python function from `{module}` in JavaScript:\n\n```python\n{code}\n```",
 }
+STDLIB_DEFAULT_TASKS = ("explain", "docstring", "complete", "review")
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
 
 
@@ -141,10 +198,12 @@ def _strip_docstring(fn: ast.FunctionDef, lines: list[str]) -> list[str]:
 
 
 def iter_stdlib_code(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterator[Item]:
-    """One prompt per top-level or method function of lines in [min_lines, max_lines]; the task
-    (explain / docstring / complete / review) is chosen by a hash of the function's qualified name."""
+    """Prompts per top-level or method function of lines in [min_lines, max_lines]: `tasks_per_function`
+    (default 1) distinct tasks of `tasks` (default explain / docstring / complete / review; also tests,
+    type_hints, refactor, translate), the first chosen by a hash of the function's qualified name."""
     root = Path(src.options.get("root") or sysconfig.get_paths()["stdlib"])
-    tasks = list(src.options.get("tasks") or STDLIB_TASKS)
+    tasks = list(src.options.get("tasks") or STDLIB_DEFAULT_TASKS)
+    per_fn = max(1, min(len(tasks), int(src.options.get("tasks_per_function", 1))))
     bad = [t for t in tasks if t not in STDLIB_TASKS]
     if bad:
         raise StageError(f"curate.sources[{src.name}].options.tasks: unknown {bad}; use {list(STDLIB_TASKS)}")
@@ -168,16 +227,19 @@ def iter_stdlib_code(src: SourceConfig, min_chars: int, eval_cfg: Any) -> Iterat
             if not lo <= len(fn_lines) <= hi:
                 continue
             key = f"{module}.{node.name}:{node.lineno}"
-            task = tasks[int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % len(tasks)]
-            code_lines = fn_lines
-            if task == "docstring":
-                code_lines = _strip_docstring(node, fn_lines[node.lineno - start :])
-            elif task == "complete":
-                code_lines = fn_lines[: max(2, len(fn_lines) // 2)]
-            indent = min((len(s) - len(s.lstrip()) for s in code_lines if s.strip()), default=0)
-            code = "\n".join(s[indent:] for s in code_lines)
-            prompt = STDLIB_TASKS[task].format(module=module, code=code)
-            yield _build(src.name, key, [{"role": "user", "content": prompt}], min_chars)
+            first = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % len(tasks)
+            for j in range(per_fn):
+                task = tasks[(first + j) % len(tasks)]
+                code_lines = fn_lines
+                if task == "docstring":
+                    code_lines = _strip_docstring(node, fn_lines[node.lineno - start :])
+                elif task == "complete":
+                    code_lines = fn_lines[: max(2, len(fn_lines) // 2)]
+                indent = min((len(s) - len(s.lstrip()) for s in code_lines if s.strip()), default=0)
+                code = "\n".join(s[indent:] for s in code_lines)
+                prompt = STDLIB_TASKS[task].format(module=module, code=code)
+                row_key = key if j == 0 else f"{key}:{task}"  # the first task keeps the single-task id
+                yield _build(src.name, row_key, [{"role": "user", "content": prompt}], min_chars)
 
 
 PACKAGED = {
@@ -185,6 +247,7 @@ PACKAGED = {
     "chatterbot": iter_chatterbot,
     "gsm_symbolic": iter_gsm_symbolic,
     "stdlib_code": iter_stdlib_code,
+    "reasoning_gym": iter_reasoning_gym,
 }
 
 

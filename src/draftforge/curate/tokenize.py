@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from draftforge.chat import render_text
 from draftforge.curate.schema import Drop
 
 
@@ -50,16 +51,6 @@ def special_strings(tokenizer: Any) -> list[str]:
     return sorted(t for t in found if t)
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the prompt with the generation prompt (what the target continues)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 def _common_prefix_len(a: str, b: str) -> int:
     n = min(len(a), len(b))
     common = os.path.commonprefix([a[:n], b[:n]])
@@ -68,10 +59,10 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], trained: list[int]) -> tuple[str, list[tuple[int, int]]]:
     """(full rendered text, char span [start, end) of each trained assistant turn's content)."""
-    full = render(tokenizer, messages)
+    full = render_text(tokenizer, messages)
     spans = []
     for i in trained:
-        prefix = render(tokenizer, messages[:i], generation_prompt=True)
+        prefix = render_text(tokenizer, messages[:i], generation_prompt=True)
         cursor = _common_prefix_len(prefix, full)
         content = messages[i]["content"]
         start = full.find(content, cursor)

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter: model, config, vLLM-format export/load (DESIGN.md §4)."""
+"""DFlash block-diffusion drafter: model, config, vLLM-format export/load (docs/architecture.md, "Drafter and training objective")."""
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.model import DFlashDrafter, DraftCache

@@ -8,11 +8,14 @@ row of the target's embedding table (the vocabulary is never resized).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from draftforge.errors import StageError
+
+log = logging.getLogger(__name__)
 
 HF_ARCHITECTURE = "DFlashDraftModel"
 HF_MODEL_TYPE = "qwen3"
@@ -186,4 +189,31 @@ def read_exported_config(directory: str | Path) -> DFlashConfig:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    from draftforge.drafter.dspark import DSPARK_ARCHITECTURE, DSparkConfig
+
+    if hf.get("architectures") == [DSPARK_ARCHITECTURE]:
+        return DSparkConfig.from_hf_dict(hf, where=str(cfg_path))
     return DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+
+
+def check_drafter_target(directory: str | Path, target_info: dict[str, Any]) -> None:
+    """Refuse a drafter trained for another target: its config.json's `draftforge.target_fingerprint`
+    (written at export) must equal the target's fingerprint. A drafter exported elsewhere carries no
+    fingerprint: it is used with a warning (only its shape can be checked)."""
+    cfg_path = Path(directory) / "config.json"
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StageError(f"{cfg_path}: unreadable drafter config ({exc})") from None
+    meta = hf.get("draftforge") if isinstance(hf.get("draftforge"), dict) else {}
+    recorded, want = meta.get("target_fingerprint"), str(target_info.get("fingerprint"))
+    if recorded is None:
+        log.warning("%s: no draftforge.target_fingerprint (not exported by draftforge): cannot check that it was "
+                    "trained for target %s; only its shape is checked", cfg_path, target_info.get("name"))
+        return
+    if str(recorded) != want:
+        raise StageError(
+            f"{cfg_path}: drafter trained for another target (draftforge.target_fingerprint {str(recorded)[:12]}, "
+            f"target {meta.get('target', '?')!r}) but the target is {target_info.get('name')!r} "
+            f"(fingerprint {want[:12]}); retrain it (snakemake --forcerun train) or point to a drafter of this target"
+        )

@@ -1,4 +1,4 @@
-"""Export/load the drafter in the layout vLLM's `dflash` method loads (DESIGN.md §4).
+"""Export/load the drafter in the layout vLLM's `dflash` (a DSpark drafter: `dspark`) method loads (docs/architecture.md, "Drafter and training objective").
 
 vLLM (model_executor/models/qwen3_dflash.py, DFlashQwen3ForCausalLM.load_weights) prefixes every
 checkpoint name with `model.`, folds q/k/v into qkv_proj and gate/up into gate_up_proj, takes
@@ -6,7 +6,9 @@ checkpoint name with `model.`, folds q/k/v into qkv_proj and gate/up into gate_u
 taps from `dflash_config.target_layer_ids` (+1 internally). So the checkpoint holds exactly:
     fc.weight, hidden_norm.weight, norm.weight, layers.{i}.{input_layernorm, post_attention_layernorm,
     self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight
-No `model.` prefix, no embeddings / LM head, no eagle_config.
+No `model.` prefix, no embeddings / LM head, no eagle_config. A DSpark drafter adds
+    markov_head.markov_w{1,2}.weight (V, r) and confidence_head.proj.{weight (1, H[+r]), bias (1,)}
+which vLLM's Qwen3DSparkForCausalLM.load_weights prefixes with `model.` the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftforge.drafter.config import DFlashConfig, read_exported_config
+from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.errors import StageError
 from draftforge.io import atomic_dir
@@ -41,10 +44,9 @@ FORBIDDEN_SUBSTRINGS = ("embed_tokens", "lm_head", "model.", "mask_hidden", "d2t
 
 
 def expected_keys(cfg: DFlashConfig) -> set[str]:
-    """Every tensor vLLM's DFlashQwen3Model consumes for this shape (embeddings/LM head come from the target)."""
-    keys = set(TOP_KEYS)
-    keys.update(f"layers.{i}.{k}" for i in range(cfg.num_hidden_layers) for k in LAYER_KEYS)
-    return keys
+    """Every tensor vLLM's DFlashQwen3Model (Qwen3DSparkModel for a DSpark config) consumes for this shape
+    (embeddings/LM head come from the target)."""
+    return set(expected_shapes(cfg))
 
 
 def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -65,6 +67,13 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     }
     shapes = {"fc.weight": (H, cfg.feature_dim), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     shapes.update({f"layers.{i}.{k}": s for i in range(cfg.num_hidden_layers) for k, s in per_layer.items()})
+    if is_dspark(cfg):  # vLLM's Qwen3DSparkModel: markov_head.*, confidence_head.proj.*
+        if cfg.markov_rank > 0:
+            shapes["markov_head.markov_w1.weight"] = (cfg.vocab_size, cfg.markov_rank)
+            shapes["markov_head.markov_w2.weight"] = (cfg.vocab_size, cfg.markov_rank)
+        if cfg.enable_confidence_head:
+            shapes["confidence_head.proj.weight"] = (1, cfg.confidence_input_dim)
+            shapes["confidence_head.proj.bias"] = (1,)
     return shapes
 
 
@@ -85,12 +94,19 @@ def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str =
     if wrong:
         problems.append(f"wrong shapes {wrong[:4]}")
     if problems:
-        raise StageError(f"{where}: key check against vLLM's dflash loader failed: " + "; ".join(problems))
+        loader = "dspark" if is_dspark(cfg) else "dflash"
+        raise StageError(f"{where}: key check against vLLM's {loader} loader failed: " + "; ".join(problems))
 
 
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
     """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once)."""
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
+    if is_dspark(cfg) and cfg.markov_rank == 0:
+        # Without a Markov head vLLM's dspark loader has nothing to serve: a rank-0 drafter with DFlash's
+        # block convention and no confidence head IS a DFlash drafter and is exported as one.
+        if not cfg.bonus_anchor or cfg.enable_confidence_head:
+            raise StageError(f"{out_dir}: markov_rank 0 exports only as DFlash (bonus_anchor: true, no confidence head)")
+        cfg = DFlashConfig.from_dict(cfg.to_dict())
     check_keys(tensors, cfg, where=str(out_dir))
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -109,6 +125,6 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     cfg, weights = read_exported_config(directory), directory / "model.safetensors"
     tensors = load_file(str(weights))
     check_keys(tensors, cfg, where=str(weights))
-    model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    model = DSparkDrafter(cfg, attn_impl=attn_impl) if is_dspark(cfg) else DFlashDrafter(cfg, attn_impl=attn_impl)
     model.load_state_dict(tensors, strict=True)
     return model.to(device=device, dtype=dtype).eval()

@@ -228,6 +228,3 @@ class DFlashDrafter(nn.Module):
         B = self.cfg.block_size
         return {kind: build_mask(anchors, ctx_len, B, impl, self.cfg.sliding_window if kind == SLIDING else 0)
                 for kind in set(self.cfg.layer_types)}
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())

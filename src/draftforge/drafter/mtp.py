@@ -342,11 +342,3 @@ def export_mimo_head(head: MTPHead, out_dir: str | Path, target_hf_dir: str | Pa
 def wants_trained_head(info: dict[str, Any], mtp: bool) -> bool:
     """train.mtp on and the target has no MTP layers of its own."""
     return bool(mtp) and int(info.get("mtp_layers") or 0) == 0
-
-
-def feature_taps(info: dict[str, Any], mtp: bool) -> list[int]:
-    """Layers extract stores: the drafter's taps, plus the last decoder layer when an MTP head is trained."""
-    taps = [int(t) for t in info["drafter"].get("target_layer_ids") or []]
-    if wants_trained_head(info, mtp):
-        taps = sorted(set(taps) | {int(info["num_layers"]) - 1})
-    return taps

@@ -1,4 +1,4 @@
-"""Standalone batch-1 decoding engine: AR, DFlash chain and DDTree tree decoding (docs/architecture.md, "Engine").
+"""Standalone batch-1 decoding engine: AR, DFlash / DSpark chains, DDTree and Markov-conditioned DDTree (docs/architecture.md, "Engine").
 
 gpt-fast-style plain functions: a target wrapper over the engine's own state (`target.py`, `state.py`,
 `gdn.py` for hybrid Gated-DeltaNet layers), spans (`span.py`: what one forward appends), one sampling
@@ -7,6 +7,7 @@ rule (`sampling.py`), tree construction and walk (`tree.py`), the methods that d
 and per-round acceptance and stage times (`timing.py`).
 """
 
+from draftforge.engine import dspark as _dspark  # noqa: F401  (registers dspark, ddtree_markov)
 from draftforge.engine.loops import GenResult, generate, generate_ar, generate_ddtree, generate_dflash
 from draftforge.engine.methods import METHODS, Features, Method, make_method
 from draftforge.engine.sampling import sample

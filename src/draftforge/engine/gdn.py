@@ -187,9 +187,15 @@ def mix(mixer: nn.Module, x: torch.Tensor, conv_state: torch.Tensor, rec_state: 
             anc = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         out, G, delta = delta_rule_tree(q, k, v, g, beta, rec_state, anc)
         scratch = VerifyScratch(conv_in=conv_in, G=G, K=k, delta=delta)
-    o = out.transpose(0, 1).to(x.dtype)  # (n, Hv, dv)
+    return gated_out(mixer, out, z, x.dtype), scratch
+
+
+def gated_out(mixer: nn.Module, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Recurrence outputs (Hv, n, dv) → gated RMSNorm with z (n, Hv, dv) → output projection (1, n, H)."""
+    n = out.shape[1]
+    o = out.transpose(0, 1).to(dtype)  # (n, Hv, dv)
     o = mixer.norm(o.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).view(1, n, -1)
-    return mixer.out_proj(o), scratch
+    return mixer.out_proj(o)
 
 
 def commit_path(scratch: VerifyScratch, conv_state: torch.Tensor, rec_state: torch.Tensor,

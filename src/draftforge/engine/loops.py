@@ -81,28 +81,38 @@ class _Output:
 
 
 def ar_round(tm: TargetModel, state: TargetState, bonus: int, temperature: float,
-             gen: torch.Generator | None) -> Round:
+             gen: torch.Generator | None, engine: Any = None) -> Round:
     """Append the bonus (committed whole) and sample the next token."""
+    if engine is not None:  # static step (graph.CapturedEngine)
+        return Round([bonus], int(sample(engine.ar_step(bonus), temperature, gen)[0]))
     ids = torch.tensor([[bonus]], device=tm.device, dtype=torch.long)
     h, _ = forward(tm, state, chain_span(ids, state.length, tm.dtype, commit_all=True))
     return Round([bonus], int(sample(tm.lm_head(h[:, -1]), temperature, gen)[0]))
 
 
 def verify_round(tm: TargetModel, state: TargetState, method: Method, drafted: Any, bonus: int,
-                 temperature: float, gen: torch.Generator | None, timer: StageTimer) -> Round:
+                 temperature: float, gen: torch.Generator | None, timer: StageTimer, engine: Any = None) -> Round:
     """Build the method's tree, verify it in one forward, walk it, commit the accepted path."""
     tree = method.build(drafted, bonus)
     timer.lap("build")
-    start = state.length
-    if tree.is_chain:
-        span = chain_span(torch.tensor([tree.tokens], device=tm.device), start, tm.dtype, commit_all=False)
+    if engine is not None:  # static step (graph.CapturedEngine): same tree, same rule
+        logits, h, taps = engine.verify(tree)
     else:
-        span = tree_span(tree, start, tm.device, tm.dtype, tm.conv_kernel)
-    h, taps = forward(tm, state, span, method.needs_taps)
-    post = sample(tm.lm_head(h[0]), temperature, gen).tolist()  # (n,) the target's token after each node
+        start = state.length
+        if tree.is_chain:
+            span = chain_span(torch.tensor([tree.tokens], device=tm.device), start, tm.dtype, commit_all=False)
+        else:
+            span = tree_span(tree, start, tm.device, tm.dtype, tm.conv_kernel)
+        h, taps = forward(tm, state, span, method.needs_taps)
+        logits = tm.lm_head(h[0])
+    post = sample(logits, temperature, gen).tolist()  # (n,) the target's token after each node
     timer.lap("verify")
     path = walk(tree, post)
-    state.commit(path)
+    if engine is not None:
+        taps = taps if method.needs_taps else None
+        engine.commit(path)
+    else:
+        state.commit(path)
     rows = torch.tensor(path, device=tm.device, dtype=torch.long)
     ids = torch.tensor([[tree.tokens[i] for i in path]])  # committed tokens, on the host (methods read them as ints)
     method.observe(Features(taps[:, rows] if taps is not None else None, h[:, rows], ids))
@@ -113,12 +123,19 @@ def verify_round(tm: TargetModel, state: TargetState, method: Method, drafted: A
 @torch.no_grad()
 def generate(tm: TargetModel, method: Method | None, prompt_ids: Sequence[int], max_new_tokens: int, *,
              temperature: float = 0.0, eos_ids: Sequence[int] = (),
-             generator: torch.Generator | None = None) -> GenResult:
-    """Decode with `method` (None = autoregressive: one target forward per token)."""
+             generator: torch.Generator | None = None, engine: Any = None) -> GenResult:
+    """Decode with `method` (None = autoregressive: one target forward per token).
+
+    engine: a `graph.CapturedEngine` over `tm` (static verify steps, CUDA graphs on a GPU) or None
+    (eager). The prompt prefill is eager either way; tokens are the same.
+    """
     clock = Clock(tm.device)
     verify = method.verify_size if method is not None else 1
     t0 = clock.now()
-    state = TargetState(tm, len(prompt_ids) + max_new_tokens + verify + CAPACITY_SLACK)
+    if engine is not None:
+        state = engine.begin(method, len(prompt_ids), max_new_tokens)
+    else:
+        state = TargetState(tm, len(prompt_ids) + max_new_tokens + verify + CAPACITY_SLACK)
     ids = torch.tensor([list(prompt_ids)], device=tm.device, dtype=torch.long)  # (1, P)
     want_taps = method is not None and method.needs_taps
     h, taps = forward(tm, state, chain_span(ids, 0, tm.dtype, commit_all=True), want_taps)
@@ -138,13 +155,13 @@ def generate(tm: TargetModel, method: Method | None, prompt_ids: Sequence[int], 
     while not out.done:
         timer.start()
         if method is None:
-            rnd = ar_round(tm, state, bonus, temperature, generator)
+            rnd = ar_round(tm, state, bonus, temperature, generator, engine)
             timer.lap("verify")
         else:
             if not first:
                 drafted = method.draft(bonus, state.length)
                 timer.lap("draft")
-            rnd = verify_round(tm, state, method, drafted, bonus, temperature, generator, timer)
+            rnd = verify_round(tm, state, method, drafted, bonus, temperature, generator, timer, engine)
         out.extend(rnd.committed[1:] + [rnd.bonus])  # drafts accepted after the old bonus, then the new bonus
         res.accept_lengths.append(len(rnd.committed))
         bonus, first = rnd.bonus, False

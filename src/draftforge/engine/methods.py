@@ -54,6 +54,10 @@ class DrafterContext:
         self.pending: torch.Tensor | None = None  # (1, n_new, n_taps*H) positions cache.length..start-1
         self.block = drafter.cfg.block_size
         self.mask_id = drafter.cfg.mask_token_id
+        # The first predicting slot: 1 for DFlash's fill-in block (slot 0 is the bonus), 0 for DSpark's
+        # default block (every slot predicts the next position).
+        self.first_slot = getattr(drafter.cfg, "first_slot", 1)
+        self.n_draft = self.block - self.first_slot
 
     def add(self, taps: torch.Tensor | None) -> None:
         if taps is None or not taps.shape[1]:
@@ -71,9 +75,9 @@ class DrafterContext:
         return h
 
     def block_logits(self, bonus: int, start: int) -> torch.Tensor:
-        """(B−1, V) logits of the masked slots (depths 1..B−1)."""
+        """(n_draft, V) logits of the predicting slots (depths 1..n_draft; DFlash: the B−1 masked slots)."""
         h = self.block_hidden(bonus, start)
-        return self.tm.lm_head(h[0, 1:].to(self.tm.dtype))
+        return self.tm.lm_head(h[0, self.first_slot :].to(self.tm.dtype))
 
 
 class DFlashChain:
@@ -83,7 +87,7 @@ class DFlashChain:
 
     def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
         self.ctx = DrafterContext(drafter, tm)
-        self.verify_size = self.ctx.block
+        self.verify_size = 1 + self.ctx.n_draft
 
     def begin(self, feats: Features) -> None:
         self.ctx.add(feats.taps)

@@ -161,10 +161,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tensor, past: int,
-               span: Span, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One attention mixer: x (1, n, H) normed → (1, n, H); writes K/V of the span at rows past..past+n−1."""
-    n, hd = span.n, tm.head_dim
+def project_qkv(tm: TargetModel, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x (1, n, H) normed → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
+    n, hd = x.shape[1], tm.head_dim
     qg = attn.q_proj(x)
     gate = None
     if tm.gated_attention:
@@ -177,18 +177,30 @@ def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tens
     if tm.qk_norm:  # per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    end = past + n
-    kv[0, :, past:end] = k[0]
-    kv[1, :, past:end] = v[0]
-    o = _attend(q, kv[0, :, :end][None], kv[1, :, :end][None], span.mask, attn.scaling)  # (1, heads, n, hd)
-    o = o.transpose(1, 2).reshape(1, n, tm.num_heads * hd)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def attention_out(tm: TargetModel, attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o (1, heads, n, hd) → (1, n, H): output gate (gated attention) and o_proj."""
+    n = o.shape[2]
+    o = o.transpose(1, 2).reshape(1, n, tm.num_heads * tm.head_dim)
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return attn.o_proj(o)
 
 
-def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tensor, past: int,
+               span: Span, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One attention mixer: x (1, n, H) normed → (1, n, H); writes K/V of the span at rows past..past+n−1."""
+    q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
+    end = past + span.n
+    kv[0, :, past:end] = k[0]
+    kv[1, :, past:end] = v[0]
+    o = _attend(q, kv[0, :, :end][None], kv[1, :, :end][None], span.mask, attn.scaling)  # (1, heads, n, hd)
+    return attention_out(tm, attn, o, gate)
+
+
+def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = layer.mlp(x)
     return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
 
@@ -216,7 +228,7 @@ def forward(tm: TargetModel, state: TargetState, span: Span, want_taps: bool = F
             out, state.scratch[s] = gdn.mix(layer.linear_attn, x, state.conv[s], state.rec[s], span.depths,
                                             span.anc, span.anc_at, span.commit_all)
             h = h + out
-        h = h + _mlp(layer, layer.post_attention_layernorm(h))
+        h = h + mlp(layer, layer.post_attention_layernorm(h))
         slot = tm._tap_pos.get(i)
         if slot is not None and want_taps:
             taps[slot] = h

@@ -1,1 +1,1 @@
-"""`evaluate` stage (see DESIGN.md §3)."""
+"""`evaluate` stage (contracts: docs/architecture.md)."""

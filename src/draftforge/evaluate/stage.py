@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,10 +23,10 @@ from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import eval_prompt_sets
 from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset
 from draftforge.io import write_json
-from draftforge.paths import STAGE_MARKERS
+from draftforge.runtime import dtype_named, init_distributed, pick_device
+from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BEST_NOTE = "best DDTree budget = highest decode tokens/s, chosen on the evaluation data itself (as published numbers do)"
 
 
@@ -38,20 +37,15 @@ def evaluate_config(ctx) -> EvaluateConfig:
     return cfg
 
 
-def pick_device(cfg: EvaluateConfig, local_rank: int) -> torch.device:
-    if cfg.gpus > 0:
-        if not torch.cuda.is_available():
-            raise StageError(f"evaluate.gpus={cfg.gpus}: no CUDA device visible (set evaluate.gpus=0 for CPU)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> torch.dtype:
     name = cfg.dtype or (target_dtype if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise StageError(f"evaluate.dtype: {name!r} is not one of {list(DTYPES)}")
-    return DTYPES[name]
+    return dtype_named("evaluate.dtype", name)
+
+
+def drafter_kind(cfg) -> str:
+    from draftforge.drafter.dspark import is_dspark
+
+    return "dspark" if is_dspark(cfg) else "dflash"
 
 
 def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
@@ -65,6 +59,12 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
         ctx.input_marker("train")
         drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
         check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
+        from draftforge.drafter.dspark import is_dspark
+
+        markov = [m for m, _ in plan if m in ("dspark", "ddtree_markov")]
+        if markov and not is_dspark(drafter.cfg):
+            raise StageError(f"evaluate.methods: {sorted(set(markov))} need a DSpark drafter; "
+                             f"{ctx.input_dir('train') / 'drafter'} is a DFlash drafter (it runs dflash / ddtree)")
     model = load_target_model(info, dtype=dtype, device=str(device))
     taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
     try:
@@ -74,7 +74,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
     head = load_mtp(ctx, cfg, info, device, dtype) if any(m == "mtp" for m, _ in plan) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
-                     mtp=head)
+                     engine=captured_engine(cfg, tm, drafter, plan), mtp=head)
 
 
 def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
@@ -82,8 +82,6 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
     trained head (train/mtp); a clear error when neither exists."""
     from draftforge.drafter.mtp import load_mtp_head
 
-    if cfg.mtp_drafts < 1:
-        raise StageError(f"evaluate.mtp_drafts: {cfg.mtp_drafts} must be >= 1")
     if int(info.get("mtp_layers") or 0) > 0:
         where, source = info["hf_path"], "native"
     else:
@@ -101,6 +99,26 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
     return head
 
 
+def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
+    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method."""
+    if cfg.engine == "eager":
+        return None
+    if cfg.engine != "captured":
+        raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured']")
+    from draftforge.engine.graph import CapturedEngine, verify_buckets
+
+    block = drafter.cfg.block_size if drafter is not None else None
+    budgets = [b for _, b in plan if b is not None]  # tree methods: one bucket per budget + 1
+    if any(m == "mtp" for m, _ in plan):  # the MTP chain verifies mtp_drafts + 1 rows
+        budgets.append(int(cfg.mtp_drafts))
+    try:
+        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter)
+    except ValueError as exc:
+        raise StageError(f"evaluate.engine=captured: {exc}") from None
+    eng.capture()
+    return eng
+
+
 def check_drafter(dcfg, info: dict[str, Any], where) -> None:
     problems = []
     if dcfg.hidden_size != int(info["hidden_size"]):
@@ -111,11 +129,6 @@ def check_drafter(dcfg, info: dict[str, Any], where) -> None:
         problems.append(f"target_layer_ids {dcfg.target_layer_ids} outside the target's {info['num_layers']} layers")
     if problems:
         raise StageError(f"{where}: drafter does not fit this target: " + "; ".join(problems))
-
-
-def init_distributed(ctx, device: torch.device) -> None:
-    if ctx.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=120))
 
 
 def gather_records(ctx, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,14 +145,15 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(cfg.methods, cfg.budgets)
-    if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
-        raise StageError(f"evaluate.temperatures: {cfg.temperatures} must be a non-empty list of values >= 0")
-    if cfg.max_new_tokens < 1:
-        raise StageError(f"evaluate.max_new_tokens: {cfg.max_new_tokens} must be >= 1")
+    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+        from draftforge.drafter.config import check_drafter_target
+
+        ctx.input_marker("train")
+        check_drafter_target(ctx.input_dir("train") / "drafter", info)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
-    device = pick_device(cfg, ctx.local_rank)
-    init_distributed(ctx, device)
+    device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)
+    init_distributed(ctx.world_size, device, timeout_min=120)
     if device.type == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
@@ -157,6 +171,8 @@ def main(ctx) -> None:
         if not ctx.is_rank0:
             continue
         rows = aggregate(records)
+        for row in rows:  # which drafter produced the row (None for AR)
+            row["drafter"] = None if row["method"] == "ar" or es.drafter is None else drafter_kind(es.drafter.cfg)
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
         write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
@@ -189,7 +205,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
         budget = row["budget"] if row["budget"] is not None else ""
         tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
                 "engine": "draftforge", "temperature": row["temperature"]}
-        if row["method"] == "ddtree":
+        if row["method"] in ("ddtree", "ddtree_markov"):
             tags["best_budget"] = row.get("best_budget", False)
         if row.get("mtp_source"):
             tags["mtp_source"] = row["mtp_source"]

@@ -1,1 +1,1 @@
-"""`extract` stage (see DESIGN.md §3)."""
+"""`extract` stage (contracts: docs/architecture.md)."""

@@ -28,7 +28,7 @@ def make_batches(lengths: np.ndarray, tokens_per_batch: int) -> list[Batch]:
     lengths sorted descending the first row of a batch is its longest (least padding).
     """
     batches: list[Batch] = []
-    start, longest, tok0 = 0, 0, 0
+    start, longest = 0, 0
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     for i, n in enumerate(lengths.tolist()):
         grown = max(longest, n)

@@ -1,6 +1,6 @@
 """Capture the tapped layers of a HF decoder with forward hooks; stop after the last tap.
 
-Convention (DESIGN.md §3, §9): layer id L = output of decoder layer L (0-based) = HF
+Convention (docs/architecture.md, "Layer taps"): layer id L = output of decoder layer L (0-based) = HF
 `hidden_states[L + 1]` (index 0 is the embeddings). The full tuple of all layers is never built:
 a hook on each tapped layer keeps only the non-padding rows, and the hook of the last tap raises a
 private exception so later layers, the final norm and the LM head never run.
@@ -42,7 +42,8 @@ class TapCapture:
     N = mask.sum() and rows are the valid tokens in row-major order (batch row, then position).
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], stop_after_last: bool = True) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], stop_after_last: bool = True,
+                 capture_last: bool = False) -> None:
         layers = decoder_layers(model)
         bad = [i for i in layer_ids if not 0 <= i < len(layers)]
         if bad:
@@ -52,7 +53,11 @@ class TapCapture:
         self.model = base_model(model)
         self.layers = layers
         self.layer_ids = list(layer_ids)
-        self.stop_after_last = stop_after_last
+        # capture_last: also keep the final-normed last-layer state (the base model's `norm` output, the
+        # LM head's input): the forward then runs every layer (no early stop) but never the LM head.
+        self.capture_last = capture_last
+        self.stop_after_last = stop_after_last and not capture_last
+        self.last_out: torch.Tensor | None = None  # (N, H) after run() when capture_last
         self._valid: torch.Tensor | None = None  # (N,) flat indices of valid tokens in B·T, set during run()
         self._out: list[torch.Tensor] = []
 
@@ -68,9 +73,18 @@ class TapCapture:
 
         return hook
 
+    def _last_hook(self, module: nn.Module, args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        self.last_out = hidden.flatten(0, 1).index_select(0, self._valid)
+
     @contextlib.contextmanager
     def _hooks(self) -> Iterator[None]:
         handles = [self.layers[i].register_forward_hook(self._hook(k)) for k, i in enumerate(self.layer_ids)]
+        if self.capture_last:
+            norm = getattr(self.model, "norm", None)
+            if not isinstance(norm, nn.Module):
+                raise TypeError(f"{type(self.model).__name__}: no final norm at .norm to capture the last layer from")
+            handles.append(norm.register_forward_hook(self._last_hook))
         try:
             yield
         finally:
@@ -90,6 +104,7 @@ class TapCapture:
             valid_index = attention_mask.flatten().nonzero().squeeze(1)
         self._valid = valid_index
         self._out = []
+        self.last_out = None
         try:
             with self._hooks():
                 self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -99,5 +114,7 @@ class TapCapture:
             self._valid = None
         if len(self._out) != len(self.layer_ids):
             raise RuntimeError(f"captured {len(self._out)} of {len(self.layer_ids)} tapped layers")
+        if self.capture_last and self.last_out is None:
+            raise RuntimeError("the final norm did not run: no last-layer states captured")
         out, self._out = torch.cat(self._out, dim=-1), []  # (N, n_taps·H)
         return out

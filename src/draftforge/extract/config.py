@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from draftforge.errors import check
+
 STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -31,3 +34,10 @@ class ExtractConfig:
     disk_margin: float = 1.05  # required free bytes = estimate × margin
     verify_resumed: bool = True  # re-hash shards found complete from an earlier run before indexing
     dist_timeout_min: int = 720  # torch.distributed timeout (ranks wait at the final barrier)
+
+    def __post_init__(self) -> None:
+        check(self.gpus >= 0, "extract.gpus", f"{self.gpus} must be >= 0")
+        check(self.cpu_procs >= 1, "extract.cpu_procs", f"{self.cpu_procs} must be >= 1")
+        check(self.device in DEVICES, "extract.device", f"{self.device!r}: use one of {', '.join(DEVICES)}")
+        check(self.storage_dtype in STORAGE_DTYPES, "extract.storage_dtype", f"{self.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+        check(self.tokens_per_batch >= 1 and self.max_seq_len >= 1, "extract.tokens_per_batch/max_seq_len", "must be >= 1")

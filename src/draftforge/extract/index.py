@@ -17,8 +17,8 @@ from typing import Any
 from draftforge.errors import StageError
 from draftforge.extract.plan import ExtractPlan
 from draftforge.extract.runner import done_path, read_done
-from draftforge.extract.shard_format import FORMAT, INDEX_NAME, sha256_path, shard_name
-from draftforge.io import atomic_path, read_json, write_json
+from draftforge.extract.shard_format import FORMAT, INDEX_NAME, shard_name
+from draftforge.io import atomic_path, read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def verify_owned(plan: ExtractPlan, shard_dir: Path, rank: int, world_size: int)
         if rec is None:
             continue
         path = shard_dir / rec["file"]
-        if sha256_path(path) != rec["sha256"]:
+        if sha256_file(path, chunk=8 << 20) != rec["sha256"]:
             log.warning("%s: checksum differs from its done record: recomputing it", path)
             done_path(shard_dir, shard.index).unlink(missing_ok=True)
             path.unlink(missing_ok=True)

@@ -14,7 +14,6 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Disk preflight: refuse to start when the features cannot fit (DESIGN.md §3).
+"""Disk preflight: refuse to start when the features cannot fit (feature size: docs/architecture.md, "Layer taps").
 
 Estimate = Σ over shards not yet done of tokens × bytes/token (hidden n_taps·H values, fp8 scales,
 ids, mask) + per-sequence offsets + a header allowance per shard. Hard links into the output folder

@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from draftforge.errors import StageError
-from draftforge.extract.shard_format import FORMAT, INDEX_NAME, decode_hidden, sha256_path
-from draftforge.io import read_json
+from draftforge.extract.shard_format import FORMAT, INDEX_NAME, decode_hidden
+from draftforge.io import read_json, sha256_file
 
 VERIFY_MODES = ("open", "lazy", "none")
 
@@ -79,7 +79,7 @@ class FeatureReader:
         if entry["file"] in self._verified:
             return
         path = self.dir / entry["file"]
-        if sha256_path(path) != entry["sha256"]:
+        if sha256_file(path, chunk=8 << 20) != entry["sha256"]:
             raise StageError(f"{path}: sha256 differs from {self.index_path.name} (corrupt shard); rerun extract")
         self._verified.add(entry["file"])
 

@@ -91,9 +91,11 @@ class ShardExtractor:
     """Computes one shard's tensors; the write happens on a background thread (overlaps compute)."""
 
     def __init__(self, target: TargetView, *, storage_dtype: str, tokens_per_batch: int, device: torch.device,
-                 stop_after_last_tap: bool = True, max_shard_tokens: int = 0, n_buffers: int = 2) -> None:  # fmt: skip
+                 stop_after_last_tap: bool = True, max_shard_tokens: int = 0, n_buffers: int = 2,
+                 store_last: bool = False) -> None:  # fmt: skip
         self.target = target
-        self.capture = TapCapture(target.model, target.layer_ids, stop_after_last=stop_after_last_tap)
+        self.capture = TapCapture(target.model, target.layer_ids, stop_after_last=stop_after_last_tap,
+                                  capture_last=store_last)
         self.storage_dtype = storage_dtype
         self.tokens_per_batch = tokens_per_batch
         self.device = device
@@ -106,11 +108,16 @@ class ShardExtractor:
         self._host = [torch.empty((max_shard_tokens, self.dim), dtype=dtype, pin_memory=pin) for _ in range(n_buffers)]
         self._scale = [torch.empty((max_shard_tokens, self.n_taps), dtype=torch.float32, pin_memory=pin) if fp8
                        else None for _ in range(n_buffers)]  # fmt: skip
+        # The target's final-normed last layer (`last_hidden`, (N, H)): bf16 when the taps are fp8.
+        self.last_dtype = torch.bfloat16 if fp8 else dtype
+        self._last = [torch.empty((max_shard_tokens, target.hidden_size), dtype=self.last_dtype, pin_memory=pin)
+                      if store_last else None for _ in range(n_buffers)]  # fmt: skip
 
     def compute(self, rows, shard: ShardSpec, slot: int) -> tuple[dict[str, torch.Tensor], int]:
         """rows: ShardRows → (tensors of the shard, padded tokens). Uses host buffer `slot`."""
         n = shard.n_tokens
         hidden, scale = self._host[slot][:n], (self._scale[slot][:n] if self._scale[slot] is not None else None)
+        last = self._last[slot][:n] if self._last[slot] is not None else None
         padded = 0
         for batch in make_batches(shard.lengths, self.tokens_per_batch):
             ids, mask, valid = pad_batch(rows.input_ids, rows.offsets, batch, self.target.pad_id, self.device)
@@ -122,6 +129,8 @@ class ShardExtractor:
             hidden[sl].copy_(enc, non_blocking=True)
             if scale is not None:
                 scale[sl].copy_(sc, non_blocking=True)
+            if last is not None:
+                last[sl].copy_(self.capture.last_out.to(self.last_dtype), non_blocking=True)
             padded += ids.numel()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -134,6 +143,8 @@ class ShardExtractor:
         }
         if scale is not None:
             tensors["hidden_scale"] = scale
+        if last is not None:
+            tensors["last_hidden"] = last
         return tensors, padded
 
 
@@ -160,6 +171,7 @@ def run_rank(
     max_seq_len: int,
     device: torch.device,
     stop_after_last_tap: bool = True,
+    store_last: bool = False,
     progress: bool = True,
     writer_threads: int = 2,
     stop_after: int | None = None,
@@ -181,7 +193,7 @@ def run_rank(
     load_rows = load_rows or InputReader(plan, target.vocab_size, max_seq_len).load
     n_buffers = writer_threads + 1
     extractor = ShardExtractor(target, storage_dtype=storage_dtype, tokens_per_batch=tokens_per_batch, device=device,
-                               stop_after_last_tap=stop_after_last_tap,
+                               stop_after_last_tap=stop_after_last_tap, store_last=store_last,
                                max_shard_tokens=max(s.n_tokens for s in todo), n_buffers=n_buffers)  # fmt: skip
     pending: list[Future] = []
     t0 = time.perf_counter()

@@ -8,6 +8,9 @@ Shard tensors (N = tokens in the shard, S = sequences, D = n_taps·H):
   loss_mask     (N,)          uint8 (1 = supervised assistant token)
   offsets       (S+1,)        int64; sequence s is tokens offsets[s]:offsets[s+1]
   seq_index     (S,)          int64; row of the sequence in its split (curate file order)
+  last_hidden   (N, H)        optional (when a consumer needs the target's next-token distribution):
+                              the target's final-normed last-layer state (the LM head's input);
+                              storage dtype, bfloat16 when that is fp8
 Invariant: a shard file either does not exist under its final name or is complete (temp + rename).
 """
 
@@ -71,14 +74,6 @@ def decode_hidden(stored: torch.Tensor, scale: torch.Tensor | None, n_taps: int,
     n = stored.shape[0]
     rows = stored.float().view(n, n_taps, -1) * scale.float().unsqueeze(-1)
     return rows.view(n, -1).to(dtype)
-
-
-def sha256_path(path: str | Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _header(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -9,7 +9,6 @@ last (the marker). Shards stay in the work area, so a rerun after a failure resu
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 from pathlib import Path
@@ -19,15 +18,14 @@ import torch
 import torch.distributed as torch_dist
 
 from draftforge.errors import StageError
-from draftforge.extract.config import STORAGE_DTYPES
 from draftforge.extract.index import finalize, verify_owned
 from draftforge.extract.plan import plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
 from draftforge.extract.runner import TargetView, read_done, run_rank
 from draftforge.io import read_json, write_json
+from draftforge.runtime import dtype_named, init_distributed, pick_device
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Dist:
@@ -35,11 +33,7 @@ class Dist:
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout_min: int) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.active = world_size > 1
-        if self.active and not torch_dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-            torch_dist.init_process_group(backend, timeout=dt.timedelta(minutes=timeout_min), **kw)
+        self.active = init_distributed(world_size, device, timeout_min)
 
     def barrier(self) -> None:
         if self.active:
@@ -58,26 +52,9 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
-def pick_device(cfg, local_rank: int) -> torch.device:
-    want = cfg.device
-    if want not in ("auto", "cpu", "cuda"):
-        raise StageError(f"extract.device={want!r}: use auto, cpu or cuda")
-    if want == "cuda" or (want == "auto" and cfg.gpus > 0):
-        if not torch.cuda.is_available():
-            if want == "cuda":
-                raise StageError("extract.device=cuda: no CUDA device visible")
-            log.warning("extract.gpus=%d but no CUDA device is visible: extracting on CPU", cfg.gpus)
-            return torch.device("cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def compute_dtype(cfg, info: dict[str, Any], device: torch.device) -> torch.dtype:
     name = cfg.compute_dtype or (info.get("dtype") or "bfloat16" if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise StageError(f"extract.compute_dtype={name!r}: use one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return dtype_named("extract.compute_dtype", name)
 
 
 def attn_impl(cfg, device: torch.device) -> str:
@@ -101,24 +78,26 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     from draftforge.target.load import load_target_model, read_target_info
 
     cfg = ctx.cfg.extract
-    if cfg.storage_dtype not in STORAGE_DTYPES:
-        raise StageError(f"extract.storage_dtype={cfg.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
     target_json = ctx.input_marker("target")
     info = read_target_info(target_json)
     check_curate(ctx, info)
-    from draftforge.drafter.mtp import feature_taps
-
-    taps = feature_taps(info, bool(ctx.cfg.train.mtp))  # + the last layer when an MTP head is trained
+    taps = list(info["drafter"].get("target_layer_ids") or [])
     if not taps or sorted(set(taps)) != taps or taps[0] < 0 or taps[-1] >= int(info["num_layers"]):
         raise StageError(f"{target_json}: drafter.target_layer_ids {taps} must be strictly increasing ids "
                          f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip
-    device = pick_device(cfg, ctx.local_rank)
+    device = pick_device("extract.device", cfg.device, cfg.gpus, ctx.local_rank)
     dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
+    from draftforge.train.config import needs_last_layer
+
+    store_last = needs_last_layer(ctx.cfg)  # the target's next-token distribution for the trainer
+    extra_key = {"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
+                 "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch}
+    if store_last:  # only then: plans (and resumable shards) without it keep their key
+        extra_key["last_hidden"] = True
     plan = plan_extraction(
         ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,
         tokens_per_shard=cfg.tokens_per_shard, seqs_per_shard=cfg.seqs_per_shard, sort_window=cfg.sort_window,
-        extra_key={"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
-                   "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch},
+        extra_key=extra_key,
     )  # fmt: skip
     shard_dir = Path(ctx.work_dir) / "shards" / plan.key
     dist = Dist(ctx.rank, ctx.world_size, device, cfg.dist_timeout_min)
@@ -143,7 +122,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
         stats = run_rank(
             plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
             tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
-            stop_after_last_tap=cfg.stop_after_last_tap, progress=True, stop_after=stop_after,
+            stop_after_last_tap=cfg.stop_after_last_tap, store_last=store_last, progress=True, stop_after=stop_after,
             writer_threads=cfg.writer_threads,
         )  # fmt: skip
         write_json(shard_dir / f"stats-rank{ctx.rank}.json", {**stats.as_dict(), "world_size": ctx.world_size,
@@ -155,7 +134,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
             return None
         meta = {"target_name": info["name"], "compute_dtype": str(dtype).removeprefix("torch."),
                 "attn_implementation": attn, "device": device.type, "max_seq_len": cfg.max_seq_len,
-                "n_truncated": plan.n_truncated}  # fmt: skip
+                "n_truncated": plan.n_truncated, "last_hidden": store_last}  # fmt: skip
         return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
                         fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta)  # fmt: skip
     finally:

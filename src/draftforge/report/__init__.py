@@ -1,1 +1,1 @@
-"""`report` stage (see DESIGN.md §3)."""
+"""`report` stage (contracts: docs/architecture.md)."""

@@ -56,8 +56,9 @@ def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
             mtp[str(r.get("dataset"))].append((_label(r), float(r["tau"]), float(r.get("speedup_vs_ar") or 0)))
         if r["engine"] != "draftforge":
             continue
-        if r["method"] == "ddtree" and r.get("budget"):
-            series[str(r.get("dataset"))].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0)))
+        if r["method"] in ("ddtree", "ddtree_markov") and r.get("budget"):
+            key = str(r.get("dataset")) + ("" if r["method"] == "ddtree" else " (ddtree_markov)")
+            series[key].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0)))
         elif r["method"] == "dflash":
             chain[str(r.get("dataset"))] = float(r.get("tau") or 0)
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))

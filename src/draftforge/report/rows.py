@@ -8,12 +8,10 @@ from typing import Any
 
 from draftforge.errors import StageError
 from draftforge.io import read_json
+from draftforge.rows import ROW_KEYS
 
 # One row per dataset × method × budget; the columns of summary.csv in this order.
-COLUMNS: tuple[str, ...] = (
-    "dataset", "engine", "method", "budget", "temperature", "n_prompts", "tokens_per_s", "tpot_ms",
-    "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches", "status",
-)  # fmt: skip
+COLUMNS: tuple[str, ...] = ROW_KEYS
 
 
 def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
@@ -29,10 +27,10 @@ def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
     return out
 
 
-def collect_rows(evaluate_json: Path, baselines_json: Path, baselines: Any) -> list[dict[str, Any]]:
-    """Both engines' rows, sorted; `baselines` is the baselines marker already loaded from baselines_json."""
+def collect_rows(evaluate_json: Path, baselines_json: Path) -> list[dict[str, Any]]:
+    """Both engines' rows (the evaluate and baselines markers), sorted by dataset, engine, method, budget."""
     rows = _rows_of(read_json(evaluate_json, what="draftforge results"), evaluate_json, "draftforge")
-    rows += _rows_of(baselines, baselines_json, "vllm")
+    rows += _rows_of(read_json(baselines_json, what="vllm results"), baselines_json, "vllm")
     return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], r["method"], _num(r.get("budget"), -1)))
 
 

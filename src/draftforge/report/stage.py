@@ -8,9 +8,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftforge.io import read_json, write_text
+from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import mlflow_uri
 from draftforge.report import plots
+from draftforge.report.parity import parity_block
 from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, fmt, method_label, vs_mtp
 from draftforge.tracking import experiment_name, mlflow_run
 
@@ -68,8 +69,8 @@ def training_history(metrics: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def parity_text(parity: dict[str, Any]) -> list[str]:
-    """The baselines stage's parity block (the one source of the check) as markdown lines."""
-    tol = float(parity.get("tolerance") or 0.05)
+    """The parity block as markdown lines."""
+    tol = float(parity["tolerance"])
     lines = []
     for dataset, e in sorted((parity.get("datasets") or {}).items()):
         if e.get("rel_diff") is None:
@@ -106,13 +107,10 @@ def _mtp_name(table: dict[str, dict[str, Any]], engine: str) -> str:
 
 
 def build_report(ctx) -> dict[str, Any]:
-    exp_dir = ctx.out_dir.parent
-    baselines_json = exp_dir / "baselines" / "baselines.json"
-    baselines = read_json(baselines_json, what="vllm results")  # rows and the parity block, read once
-    rows = collect_rows(exp_dir / "evaluate" / "evaluate.json", baselines_json, baselines)
-    target = read_json(exp_dir / "target" / "target.json", what="target.json")
-    train = read_json(exp_dir / "train" / "metrics.json", what="train metrics")
-    curate = read_json(exp_dir / "curate" / "manifest.json", what="curate manifest")
+    rows = collect_rows(ctx.input_marker("evaluate"), ctx.input_marker("baselines"))
+    target = read_json(ctx.input_marker("target"), what="target.json")
+    train = read_json(ctx.input_marker("train"), what="train metrics")
+    curate = read_json(ctx.input_marker("curate"), what="curate manifest")
     figures: dict[str, Path] = {}
     if ctx.cfg.report.plots:
         figures["tokens_per_s"] = plots.tokens_per_s_by_method(rows, ctx.out_dir / "tokens_per_s.png")
@@ -126,9 +124,9 @@ def build_report(ctx) -> dict[str, Any]:
         f"- **{ds}**: DDTree budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} tok/s, τ {fmt(r.get('tau'))}, "
         f"speedup {fmt(r.get('speedup_vs_ar'))}× vs AR" for ds, r in sorted(best.items())
     ]  # fmt: skip
-    parity = (baselines.get("parity") if isinstance(baselines, dict) else None) or {}
+    parity = parity_block(rows, float(ctx.cfg.report.parity_tolerance))
     parity_lines = parity_text(parity)
-    parity_mtp = (baselines.get("parity_mtp") if isinstance(baselines, dict) else None) or {}
+    parity_mtp = parity_block(rows, float(ctx.cfg.report.parity_tolerance), method="mtp")
     mtp_table = vs_mtp(rows)
     mtp_train = train.get("mtp") or {}
     mtp_note = ""
@@ -172,7 +170,9 @@ def build_report(ctx) -> dict[str, Any]:
         "",
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
-    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "vs_mtp": mtp_table}
+    write_json(ctx.out_dir / "parity.json", parity)
+    write_json(ctx.out_dir / "parity_mtp.json", parity_mtp)
+    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "parity_mtp": parity_mtp, "vs_mtp": mtp_table}
 
 
 def main(ctx) -> None:

@@ -12,17 +12,31 @@ MISSING: Any = "???"
 TARGET_SOURCES = ("gguf_package", "hf_dir", "hub_cache", "random")
 
 
+def _check(ok: bool, key: str, problem: str) -> None:
+    """errors.check, imported lazily: this module stays dependency-free for GPU benchmark machines."""
+    if not ok:
+        from draftforge.errors import ConfigError
+
+        raise ConfigError(f"{key}: {problem}")
+
+
 @dataclass
 class DrafterShapeConfig:
     num_layers: int = 5
     block_size: int = 16
     # Row of the target's embedding table used as the mask token; never resize the vocabulary.
     mask_token_id: int = MISSING
-    # 0-based "output of decoder layer i"; None → n_taps ids spread evenly over [1, L-3].
+    # 0-based "output of decoder layer i"; None → the reference rule over [1, L-3] (default_tap_ids).
     target_layer_ids: Optional[List[int]] = None
     n_taps: int = 5
     # Sliding-window draft layers (Qwen3.6-27B's published drafter); 0 = all full attention.
     sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_layers >= 1, "target.drafter.num_layers", f"{self.num_layers} must be >= 1")
+        _check(self.block_size >= 2, "target.drafter.block_size", f"{self.block_size} must be >= 2")
+        _check(self.n_taps >= 1, "target.drafter.n_taps", f"{self.n_taps} must be >= 1")
+        _check(self.sliding_window >= 0, "target.drafter.sliding_window", f"{self.sliding_window} must be >= 0")
 
 
 @dataclass
@@ -72,18 +86,24 @@ class TargetConfig:
     drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
     random: Optional[RandomTargetConfig] = None
 
+    def __post_init__(self) -> None:
+        _check(self.source in (MISSING, *TARGET_SOURCES), "target.source", f"{self.source!r} is not one of {TARGET_SOURCES}")
+
 
 def default_tap_ids(num_layers: int, n_taps: int) -> list[int]:
-    """n_taps ids spread evenly over [1, L-3], rounded: 36 layers, 5 taps → [1, 9, 17, 25, 33]."""
+    """The reference DFlash tap rule (z-lab/dflash `model/utils.py: build_target_layer_ids`, which
+    SGLang's and SpecForge's DFlash code mirror): one tap → [L // 2]; otherwise
+    round(1 + i * (L - 4) / (n - 1)) for i < n with Python's round (half to even), so published
+    drafter configs and ours agree: 36 layers, 5 taps → [1, 9, 17, 25, 33]; 30 → [1, 8, 14, 20, 27]."""
     if n_taps < 1:
         raise ValueError("n_taps must be >= 1")
-    lo, hi = 1, num_layers - 3
-    if hi < lo:
-        raise ValueError(f"target has {num_layers} layers: too few to tap (need >= 4)")
     if n_taps == 1:
-        return [round((lo + hi) / 2)]
-    step = (hi - lo) / (n_taps - 1)
-    ids = [int(lo + i * step + 0.5) for i in range(n_taps)]
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end < start:
+        raise ValueError(f"target has {num_layers} layers: too few to tap (need >= 4)")
+    span = end - start
+    ids = [int(round(start + i * span / (n_taps - 1))) for i in range(n_taps)]
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{n_taps} distinct taps do not fit in layers [1, {hi}]")
+        raise ValueError(f"{n_taps} distinct taps do not fit in layers [1, {end}]: set target.drafter.target_layer_ids")
     return ids

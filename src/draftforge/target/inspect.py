@@ -22,8 +22,14 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.is_file():
         raise StageError(f"{hf_dir}: not an HF model folder (config.json missing)")
+    return read_json_file(path)
+
+
+def read_json_file(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise StageError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); re-save it as UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
         raise StageError(f"{path}: invalid JSON ({exc})") from None
 
@@ -94,7 +100,7 @@ def has_chat_template(hf_dir: Path) -> bool:
     if (hf_dir / "chat_template.jinja").is_file() or (hf_dir / "chat_template.json").is_file():
         return True
     tok_cfg = hf_dir / "tokenizer_config.json"
-    return tok_cfg.is_file() and bool(json.loads(tok_cfg.read_text()).get("chat_template"))
+    return tok_cfg.is_file() and bool(read_json_file(tok_cfg).get("chat_template"))
 
 
 def describe(hf_dir: Path) -> dict[str, Any]:

@@ -7,14 +7,10 @@ from typing import Any
 
 from draftforge.errors import StageError
 from draftforge.io import read_json
-
-REQUIRED_KEYS = (
-    "name", "hf_path", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-    "head_dim", "vocab_size", "fingerprint", "drafter",
-)  # fmt: skip
+from draftforge.target.info import REQUIRED_KEYS, TargetInfo
 
 
-def read_target_info(path: str | Path) -> dict[str, Any]:
+def read_target_info(path: str | Path) -> TargetInfo:
     """target.json as a dict; a clear error if it is missing, malformed or points nowhere."""
     path = Path(path)
     if path.is_dir():
@@ -25,7 +21,7 @@ def read_target_info(path: str | Path) -> dict[str, Any]:
         raise StageError(f"{path}: target.json lacks {missing}; rerun the `target` stage")
     if not Path(info["hf_path"]).is_dir():
         raise StageError(f"{path}: hf_path {info['hf_path']} does not exist; rerun the `target` stage")
-    return info
+    return info  # type: ignore[return-value]
 
 
 def check_fingerprint(info: dict[str, Any]) -> None:

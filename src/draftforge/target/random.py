@@ -113,7 +113,7 @@ def build_random_model(spec: RandomTargetConfig, dtype: torch.dtype = torch.floa
     model = cls(config)
     # Larger-than-default init keeps logits far from uniform, so greedy ties are (almost) impossible.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.6 / param.shape[-1] ** 0.5 * 4)
     return model.to(dtype).eval()

@@ -13,6 +13,7 @@ from draftforge.errors import StageError
 from draftforge.io import atomic_dir, sha256_json, write_json
 from draftforge.paths import cache_dir
 from draftforge.target.config import default_tap_ids
+from draftforge.target.info import DrafterShape, TargetInfo
 from draftforge.target.inspect import describe, fingerprint
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def resolve_folder(target: dict[str, Any], results_root: Path) -> Path:
     raise StageError(f"target.source={source!r}: unknown")
 
 
-def drafter_shape(target: dict[str, Any], num_layers: int, vocab_size: int) -> dict[str, Any]:
+def drafter_shape(target: dict[str, Any], num_layers: int, vocab_size: int) -> DrafterShape:
     shape = dict(target["drafter"])
     taps = shape.get("target_layer_ids") or default_tap_ids(num_layers, int(shape["n_taps"]))
     bad = [t for t in taps if not 0 <= t < num_layers]
@@ -86,7 +87,7 @@ def drafter_shape(target: dict[str, Any], num_layers: int, vocab_size: int) -> d
     return shape
 
 
-def resolve_target(target_cfg: DictConfig | dict[str, Any], results_root: str | Path) -> dict[str, Any]:
+def resolve_target(target_cfg: DictConfig | dict[str, Any], results_root: str | Path) -> TargetInfo:
     """The target.json record for a target spec (converts/builds the folder when needed)."""
     target = _plain(target_cfg)
     folder = resolve_folder(target, Path(results_root))

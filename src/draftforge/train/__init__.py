@@ -1,1 +1,1 @@
-"""`train` stage (see DESIGN.md §3)."""
+"""`train` stage (contracts: docs/architecture.md)."""

@@ -1,13 +1,17 @@
 """Typed config of the `train` stage (torch-free). Owned by the train stage.
 
-Defaults are the published DFlash recipe (AdamW 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
-512 anchors, max length 3072, bf16 on GPU). CPU worlds scale num_anchors / max_steps down.
+Defaults are the published DFlash recipe as the reference training code (SpecForge's
+`scripts/train_dflash.py`) runs it: AdamW lr 6e-4, cosine with 4% warmup, clip 1.0, 6 epochs,
+512 anchors per sequence, max length 3072, bf16 on GPU, one sequence per rank per step.
+CPU worlds scale num_anchors / max_steps down in their experiment file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
+
+from draftforge.errors import check
 
 
 @dataclass
@@ -15,18 +19,28 @@ class TrainConfig:
     gpus: int = 0  # 0 = CPU (gloo, cpu_procs processes); N = torchrun over N GPUs (NCCL)
     cpu_procs: int = 1
     device: str = "auto"  # auto (cuda:LOCAL_RANK when CUDA exists and gpus > 0) | cpu | cuda
+    # offline: read the extract stage's feature store. online: the target runs beside the drafter and
+    # computes the tapped features of each batch from the curate shards (no extract stage, no store).
+    features: str = "offline"
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs; otherwise stop (and schedule) at this many steps
     lr: float = 6e-4
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    # torch's AdamW defaults, which the reference trainer uses (SpecForge `specforge/optimizer.py`
+    # builds `torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)`, betas not set). No
+    # measurement here has preferred another value.
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     num_anchors: int = 512  # anchors per sequence, re-drawn each epoch
-    loss_gamma: float = 7.0  # slot weight w_k = exp(-(k-1)/gamma)
+    # Slot weight w_k = exp(-(k-1)/gamma). None: by block size (`train.loss.default_gamma`: 7 / 5 / 4
+    # for B = 16 / 10 / 8, the DFlash paper's values, which SpecForge's --loss-decay-gamma help repeats).
+    loss_gamma: Optional[float] = None
     max_seq_len: int = 3072  # longer sequences are truncated
-    batch_seqs: int = 1  # global batch in sequences per optimizer step (split across ranks)
+    # Sequences per rank per optimizer step; the global batch is batch_seqs x ranks (as the reference
+    # trainer's per-GPU --batch-size), so adding GPUs adds data per step and never refuses a world size.
+    batch_seqs: int = 1
     init_from_target: bool = True  # warm start draft layers from the target's last layers
     init_layers: Optional[List[int]] = None  # target layers to copy (None: the last num_layers)
     attn_impl: str = "auto"  # auto (flex on CUDA, dense SDPA mask on CPU) | flex | sdpa
@@ -43,8 +57,9 @@ class TrainConfig:
     dist_timeout_min: int = 60
     seed: int = 0
     # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers, trained after the
-    # drafter from the same features (extract then also stores the last layer). Loss: CE of depths
-    # 1..mtp_depth applied recursively, on up to mtp_rows supervised rows per sequence and depth.
+    # drafter from the same features (extract then also stores the final-normed last layer,
+    # `needs_last_layer`). Loss: CE of depths 1..mtp_depth applied recursively, on up to mtp_rows
+    # supervised rows per sequence and depth.
     mtp: bool = False
     mtp_steps: int = 2000
     mtp_lr: float = 1e-3
@@ -52,3 +67,54 @@ class TrainConfig:
     mtp_rows: int = 256
     mtp_val_drafts: int = 3  # val: per-depth accuracy and simulated τ of this many recursive drafts
     mtp_eval_every: int = 500
+
+    # Drafter kind and DSpark heads (the drafter's own config group will own these once it exists).
+    drafter_type: str = "dflash"  # dflash | dspark
+    markov_rank: int = 256  # DSpark Markov head rank (0: none)
+    confidence_head: bool = True  # DSpark confidence head
+    confidence_head_with_markov: bool = True  # its input is [hidden; Markov embedding]
+    bonus_anchor: bool = False  # DSpark block: False = every slot predicts the next position (vLLM's default)
+    # Objective: weights of the terms ce / kl / tv (tv = ½L1 to the target's next-token distribution);
+    # all null = the drafter's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE);
+    # any set = exactly those (unset ones 0).
+    loss_ce: Optional[float] = None
+    loss_kl: Optional[float] = None
+    loss_tv: Optional[float] = None
+    confidence_loss_weight: float = 1.0  # BCE of the confidence head vs the analytic acceptance 1 - tv
+    loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
+    init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
+
+    def __post_init__(self) -> None:
+        check(self.gpus >= 0, "train.gpus", f"{self.gpus} must be >= 0")
+        check(self.cpu_procs >= 1, "train.cpu_procs", f"{self.cpu_procs} must be >= 1")
+        check(self.device in ("auto", "cpu", "cuda"), "train.device", f"{self.device!r}: use one of auto, cpu, cuda")
+        check(self.lr > 0, "train.lr", f"{self.lr} must be > 0")
+        check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}: use -1 (all epochs) or >= 1")
+        check(self.batch_seqs >= 1, "train.batch_seqs", f"{self.batch_seqs} must be >= 1")
+        check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
+        check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
+        check(self.drafter_type in ("dflash", "dspark"), "train.drafter_type", f"{self.drafter_type!r}: use dflash or dspark")
+        check(self.markov_rank >= 0, "train.markov_rank", f"{self.markov_rank} must be >= 0")
+        check(self.mtp_steps >= 1, "train.mtp_steps", f"{self.mtp_steps} must be >= 1")
+        check(self.mtp_lr > 0, "train.mtp_lr", f"{self.mtp_lr} must be > 0")
+        check(self.mtp_depth >= 1, "train.mtp_depth", f"{self.mtp_depth} must be >= 1")
+        check(self.mtp_rows >= 1, "train.mtp_rows", f"{self.mtp_rows} must be >= 1")
+        check(self.mtp_val_drafts >= 1, "train.mtp_val_drafts", f"{self.mtp_val_drafts} must be >= 1")
+        check(self.mtp_eval_every >= 1, "train.mtp_eval_every", f"{self.mtp_eval_every} must be >= 1")
+
+
+def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:
+    given = {t: getattr(cfg, f"loss_{t}") for t in ("ce", "kl", "tv")}
+    if any(v is not None for v in given.values()):
+        return {t: float(v) for t, v in given.items() if v}
+    return {"tv": 1.8, "ce": 0.1} if cfg.drafter_type == "dspark" else {"ce": 1.0}
+
+
+def needs_last_layer(cfg: Any) -> bool:
+    """Whether extract must store the target's final-normed last-layer states (the target's next-token
+    distribution for distribution losses / DSpark). `cfg` is the root config (has `.train`). One switch for
+    every consumer: add a condition here rather than a second flag."""
+    train = cfg.train
+    w = effective_loss_weights(train)
+    # the trained MTP head (train.mtp) reads the final-normed last layer as its hidden input
+    return train.drafter_type == "dspark" or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or bool(train.mtp)

@@ -84,57 +84,73 @@ class Batch:
     tapped: torch.Tensor  # (S, T, F) context features
     anchors: torch.Tensor  # (S, N) int64; padding anchors are 0 (they see only their own block)
     block_ids: torch.Tensor  # (S, N*B) int64: [token at anchor, mask x (B-1)] per block
-    targets: torch.Tensor  # (S, N, B) int64 token at anchor+k (0 where invalid)
-    valid: torch.Tensor  # (S, N, B) bool: slot k >= 1, anchor real, anchor+k < len, supervised
+    targets: torch.Tensor  # (S, N, B) int64 token at anchor+k+pred_offset (0 where invalid)
+    valid: torch.Tensor  # (S, N, B) bool: slot k >= first_slot, anchor real, predicted position < len, supervised
     n_tokens: int  # real context tokens in the batch
+    prev_ids: torch.Tensor | None = None  # (S, N, B) the data token right before each slot's predicted one
+    last: torch.Tensor | None = None  # (S, T, H) the target's final-normed last-layer states (when stored)
+    pred_offset: int = 0  # slot k predicts anchor + k + pred_offset
+
+    def _map(self, fn) -> "Batch":
+        opt = lambda t: None if t is None else fn(t)  # noqa: E731
+        return Batch(fn(self.tapped), fn(self.anchors), fn(self.block_ids), fn(self.targets), fn(self.valid),
+                     self.n_tokens, opt(self.prev_ids), opt(self.last), self.pred_offset)
 
     def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
-        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(mv(self.tapped), mv(self.anchors), mv(self.block_ids), mv(self.targets), mv(self.valid), self.n_tokens)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> "Batch":
-        return Batch(self.tapped.pin_memory(), self.anchors.pin_memory(), self.block_ids.pin_memory(),
-                     self.targets.pin_memory(), self.valid.pin_memory(), self.n_tokens)
+        pin = lambda t: t.pin_memory() if t.device.type == "cpu" else t  # noqa: E731  (online features: on the GPU already)
+        return self._map(pin)
 
 
 def collate(
-    seqs: Sequence[SeqTuple], anchors: Sequence[torch.Tensor], block_size: int, mask_token_id: int, feat_dtype: torch.dtype = torch.float32
+    seqs: Sequence[SeqTuple], anchors: Sequence[torch.Tensor], block_size: int, mask_token_id: int,
+    feat_dtype: torch.dtype = torch.float32, first_slot: int = 1, pred_offset: int = 0,
 ) -> Batch:
-    """Build one padded batch. Slot k of the block at anchor a predicts token a+k (k = 1..B-1)."""
+    """Build one padded batch. Slot k of the block at anchor a predicts token a+k+pred_offset
+    (k = first_slot..B-1; DFlash: first_slot 1, offset 0; DSpark's default: 0 and 1). A sequence tuple
+    may carry a 4th element, the target's last-layer states (T, H), collated into `last`."""
     B = block_size
     S = len(seqs)
     T = max(int(s[0].numel()) for s in seqs)
     N = max(1, max(int(a.numel()) for a in anchors))
     F = seqs[0][2].shape[-1]
-    tapped = torch.zeros(S, T, F, dtype=feat_dtype)
+    has_last = all(len(s) > 3 and s[3] is not None for s in seqs)
+    tapped = torch.zeros(S, T, F, dtype=feat_dtype, device=seqs[0][2].device)  # online features stay on their device
+    last = torch.zeros(S, T, seqs[0][3].shape[-1], dtype=feat_dtype, device=seqs[0][3].device) if has_last else None
     anc = torch.zeros(S, N, dtype=torch.long)
     targets = torch.zeros(S, N, B, dtype=torch.long)
+    prev = torch.zeros(S, N, B, dtype=torch.long)
     valid = torch.zeros(S, N, B, dtype=torch.bool)
     block_ids = torch.full((S, N, B), mask_token_id, dtype=torch.long)
     n_tokens = 0
     k = torch.arange(B)
-    for i, ((ids, lmask, hidden), a) in enumerate(zip(seqs, anchors)):
+    for i, (item, a) in enumerate(zip(seqs, anchors)):
+        ids, lmask, hidden = item[0], item[1], item[2]
         L = ids.numel()
         n_tokens += L
         tapped[i, :L] = hidden.to(feat_dtype)
+        if last is not None:
+            last[i, :L] = item[3].to(feat_dtype)
         n = a.numel()
         if n == 0:
             continue
         anc[i, :n] = a
-        pos = a[:, None] + k  # (n, B)
+        pos = a[:, None] + k + pred_offset  # (n, B) predicted positions
         inside = pos < L
         posc = pos.clamp(max=L - 1)
         targets[i, :n] = torch.where(inside, ids[posc].long(), 0)
-        valid[i, :n] = inside & lmask[posc].bool() & (k >= 1)
+        prev[i, :n] = torch.where(inside, ids[(pos - 1).clamp(min=0, max=L - 1)].long(), 0)
+        valid[i, :n] = inside & lmask[posc].bool() & (k >= first_slot)
         block_ids[i, :n, 0] = ids[a].long()
-    return Batch(tapped, anc, block_ids.view(S, N * B), targets, valid, n_tokens)
+    return Batch(tapped, anc, block_ids.view(S, N * B), targets, valid, n_tokens, prev, last, pred_offset)
 
 
 def truncate(item: SeqTuple, max_len: int) -> SeqTuple:
-    ids, lmask, hidden = item
-    if max_len > 0 and ids.numel() > max_len:
-        return ids[:max_len], lmask[:max_len], hidden[:max_len]
-    return ids, lmask, hidden
+    if max_len > 0 and item[0].numel() > max_len:
+        return tuple(t[:max_len] if t is not None else None for t in item)  # type: ignore[return-value]
+    return item
 
 
 class Prefetcher:

@@ -25,11 +25,8 @@ SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class ShardedSource:
     """One split of an extract index as a random-access FeatureSource."""
 
-    def __init__(self, reader: FeatureReader, split: str, dtype: torch.dtype = torch.bfloat16,
-                 select: list[int] | None = None) -> None:
+    def __init__(self, reader: FeatureReader, split: str, dtype: torch.dtype = torch.bfloat16) -> None:
         self.reader, self.split, self.dtype = reader, split, dtype
-        # tap positions (in the index's tap order) to return; None = all
-        self.select = None if select is None or list(select) == list(range(reader.n_taps)) else list(select)
         self.entries: list[dict[str, Any]] = reader.shards(split)
         self._starts: list[int] = []
         total = 0
@@ -38,6 +35,7 @@ class ShardedSource:
             total += int(e["n_seqs"])
         self._n = total
         self._open: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        self.has_last: bool | None = None  # shards carry `last_hidden` (known after the first shard opens)
 
     def __len__(self) -> int:
         return self._n
@@ -52,7 +50,9 @@ class ShardedSource:
                 fh = safe_open(str(path), framework="pt")
                 offsets = fh.get_tensor("offsets")
                 ids, mask = fh.get_tensor("input_ids"), fh.get_tensor("loss_mask")
-                has_scale = "hidden_scale" in set(fh.keys())
+                keys = set(fh.keys())
+                has_scale = "hidden_scale" in keys
+                self.has_last = "last_hidden" in keys
             except Exception as exc:
                 raise StageError(f"{path}: unreadable shard ({type(exc).__name__}: {exc})") from None
             if offsets.shape[0] != int(entry["n_seqs"]) + 1 or int(offsets[-1]) != int(entry["n_tokens"]):
@@ -69,25 +69,20 @@ class ShardedSource:
         a, b = int(offsets[s]), int(offsets[s + 1])
         scale = fh.get_slice("hidden_scale")[a:b] if has_scale else None
         hidden = decode_hidden(fh.get_slice("hidden")[a:b], scale, self.reader.n_taps, self.dtype)
-        if self.select is not None:
-            hidden = hidden.view(b - a, self.reader.n_taps, -1)[:, self.select].reshape(b - a, -1)
+        if self.has_last:  # the target's final-normed last layer: a 4th element
+            last = fh.get_slice("last_hidden")[a:b].to(self.dtype)
+            return ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), hidden, last  # type: ignore[return-value]
         return ids[a:b].to(torch.int64), mask[a:b].to(torch.uint8), hidden
 
 
-def open_features(extract_dir: str | Path, info: dict[str, Any], dtype: torch.dtype = torch.bfloat16, *,
-                  mtp: bool = False, layers: list[int] | None = None) -> tuple[ShardedSource, ShardedSource | None]:
-    """(train, val-or-None) sources of the given tapped `layers` (default: the drafter's); StageError
-    on a different target or different taps. `mtp`: the index also holds the last layer (train.mtp)."""
-    from draftforge.drafter.mtp import feature_taps
-
-    stored = feature_taps(info, mtp)
-    reader = FeatureReader(extract_dir, target_fingerprint=info["fingerprint"], target_layer_ids=stored, verify="lazy")
-    layers = list(info["drafter"]["target_layer_ids"]) if layers is None else list(layers)
-    select = [stored.index(t) for t in layers]
+def open_features(extract_dir: str | Path, info: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> tuple[ShardedSource, ShardedSource | None]:
+    """(train, val-or-None) sources; StageError on a different target or different taps."""
+    reader = FeatureReader(
+        extract_dir, target_fingerprint=info["fingerprint"], target_layer_ids=list(info["drafter"]["target_layer_ids"]), verify="lazy"
+    )
     if reader.hidden_size != int(info["hidden_size"]):
         raise StageError(f"{reader.index_path}: hidden_size {reader.hidden_size} != target hidden_size {info['hidden_size']}")
     if "train" not in reader.splits or reader.num_sequences("train") == 0:
         raise StageError(f"{reader.index_path}: no `train` sequences to train on (splits {reader.splits})")
-    has_val = "val" in reader.splits and reader.num_sequences("val") > 0
-    val = ShardedSource(reader, "val", dtype, select) if has_val else None
-    return ShardedSource(reader, "train", dtype, select), val
+    val = ShardedSource(reader, "val", dtype) if "val" in reader.splits and reader.num_sequences("val") > 0 else None
+    return ShardedSource(reader, "train", dtype), val

@@ -1,8 +1,9 @@
 """The training loop: DFlash blocks, decayed CE, AdamW + cosine/warmup, clip, DDP, eval, resume.
 
-Distributed invariant: the loss is normalized by the *global* sum of valid-slot weights and scaled
-by the world size (DDP averages gradients), so W ranks sharing a global batch compute exactly the
-gradient one process computes on that batch.
+Distributed invariant: each rank takes `batch_seqs` sequences per step (global batch = batch_seqs x
+world); the loss is normalized by the *global* sum of valid-slot weights and scaled by the world size
+(DDP averages gradients), so W ranks of b sequences compute exactly the gradient one process computes
+on the same W*b sequences.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from draftforge.drafter.config import DFlashConfig
+from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
-from draftforge.train.config import TrainConfig
-from draftforge.train.data import Batch, FeatureSource, Prefetcher, collate, draw_anchors, epoch_order, rank_share, truncate
+from draftforge.train.config import TrainConfig, effective_loss_weights
+from draftforge.train.data import (
+    Batch,
+    FeatureSource,
+    Prefetcher,
+    collate,
+    draw_anchors,
+    epoch_order,
+    rank_share,
+    truncate,
+)
+from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loss import block_losses, compile_loss, slot_stats, slot_weights, summarize
+from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
 
 log = logging.getLogger(__name__)
 VAL_SEED_OFFSET = 1_000_003
@@ -62,9 +74,14 @@ class TrainResult:
     throughput: dict[str, float] | None = None
 
 
-def total_steps(cfg: TrainConfig, n_seq: int) -> tuple[int, int]:
+def global_batch(cfg: TrainConfig, world: int) -> int:
+    """Sequences per optimizer step over all ranks."""
+    return cfg.batch_seqs * max(1, world)
+
+
+def total_steps(cfg: TrainConfig, n_seq: int, world: int = 1) -> tuple[int, int]:
     """(steps per epoch, total optimizer steps)."""
-    per_epoch = -(-n_seq // cfg.batch_seqs)
+    per_epoch = -(-n_seq // global_batch(cfg, world))
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     return per_epoch, total
 
@@ -106,21 +123,86 @@ def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> It
     step = start_step
     while step < total:
         epoch, in_epoch = divmod(step, per_epoch)
-        order = epoch_order(len(inp.train_source), cfg.batch_seqs, cfg.seed, epoch)
+        order = epoch_order(len(inp.train_source), global_batch(cfg, inp.world), cfg.seed, epoch)
         for seqs_of_step in order[in_epoch:]:
             if step >= total:
                 return
             mine = rank_share(seqs_of_step, inp.rank, inp.world)
             items = [truncate(inp.train_source[i], cfg.max_seq_len) for i in mine]
             anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, mine)]
-            batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype)
+            batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype, *convention(dcfg))
             yield step, epoch, (batch.pin_memory() if inp.device.type == "cuda" else batch)
             step += 1
 
 
-def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor, attn_impl: str | None):
+def convention(dcfg: DFlashConfig) -> tuple[int, int]:
+    """(first predicting slot, prediction offset): DFlash (1, 0); DSpark per its bonus_anchor."""
+    return (dcfg.first_slot, dcfg.pred_offset) if is_dspark(dcfg) else (1, 0)
+
+
+@dataclass
+class Objective:
+    """The distribution objective (train/dspark_loss.py); None in forward_batch = the CE-only DFlash path."""
+
+    weights: dict[str, float]
+    conf_weight: float = 0.0
+    chunk: int = 8192
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether the target's next-token distribution (its last-layer states) is required."""
+        return self.weights.get("kl", 0) > 0 or self.weights.get("tv", 0) > 0 or self.conf_weight > 0
+
+
+def make_objective(cfg: TrainConfig, dcfg: DFlashConfig) -> Objective | None:
+    weights = check_weights(effective_loss_weights(cfg))
+    if not is_dspark(dcfg) and weights == {"ce": 1.0}:
+        return None
+    conf = cfg.confidence_loss_weight if (is_dspark(dcfg) and dcfg.enable_confidence_head) else 0.0
+    return Objective(weights, conf, cfg.loss_vocab_chunk)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor,
+                      obj: Objective) -> BlockOutputs:
+    """Valid slots through the distribution objective (+ Markov bias and confidence for DSpark)."""
+    S, N, B = batch.valid.shape
+    flat = batch.valid.reshape(-1)
+    hv = h.reshape(S * N * B, -1)[flat]
+    y = batch.targets.reshape(-1)[flat]
+    prev = batch.prev_ids.reshape(-1)[flat]
+    w_row = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat]
+    ht = None
+    if batch.last is not None:
+        k = torch.arange(B, device=h.device)
+        pos = (batch.anchors[:, :, None] + k + batch.pred_offset - 1).clamp(0, batch.last.shape[1] - 1)  # (S, N, B)
+        seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
+        ht = batch.last[seq.reshape(-1)[flat], pos.reshape(-1)[flat]].to(hv.dtype)
+    raw = _unwrap(model)
+    e = w2 = conf_logit = None
+    if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
+        e = raw.markov_embed(prev).to(hv.dtype)
+        w2 = raw.markov_head.markov_w2.weight
+    if isinstance(raw, DSparkDrafter) and raw.confidence_head is not None:
+        conf_logit = raw.confidence_logit(hv, prev)
+    out = objective(hv, head.lm_head, y, w_row, obj.weights, ht=ht, e=e, w2=w2, conf_logit=conf_logit,
+                    conf_weight=obj.conf_weight, chunk=obj.chunk)
+    correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
+    correct[flat] = out.hits
+    res = BlockOutputs(out.weighted_sum, out.weight_sum, correct.view(S, N, B), batch.valid)
+    res.extra = out  # type: ignore[attr-defined]  (analytic val metrics)
+    return res
+
+
+def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor, attn_impl: str | None,
+                  obj: Objective | None = None):
     block_embeds = head.embed_ids(batch.block_ids).float()  # (S, N*B, H)
     h = model(batch.tapped, block_embeds, batch.anchors, attn_impl)
+    if obj is not None:
+        return dist_block_losses(model, h, head, batch, weights, obj)
     return block_losses(h, head.lm_head, batch.targets, batch.valid, weights)
 
 
@@ -136,10 +218,14 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
     """Val loss, per-slot top-1 accuracy, simulated acceptance length; sharded over ranks, all-reduced."""
     cfg, dcfg = inp.cfg, inp.dcfg
     src = inp.val_source
-    weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
+    first, _ = convention(dcfg)
+    weights = slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device)
+    obj = make_objective(cfg, dcfg)
     picked = val_indices(len(src), cfg.val_max_seqs) if src is not None else []
     B = dcfg.block_size
+    n_draft = B - first
     sums = torch.zeros(2 * B + 2, device=inp.device, dtype=torch.float64)
+    ana: torch.Tensor | None = None
     loss_sums = torch.zeros(2, device=inp.device, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -148,15 +234,27 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
         anchors = draw_anchors(item[1], cfg.val_num_anchors, cfg.seed + VAL_SEED_OFFSET, 0, i)
         if anchors.numel() == 0:
             continue
-        batch = collate([item], [anchors], B, dcfg.mask_token_id, dtype).to(inp.device)
+        batch = collate([item], [anchors], B, dcfg.mask_token_id, dtype, *convention(dcfg)).to(inp.device)
         with _autocast(inp.device, dtype):
-            out = forward_batch(model, inp.head, batch, weights, cfg.attn_impl)
-        sums += slot_stats(out, batch.valid[..., 1]).double()
+            out = forward_batch(model, inp.head, batch, weights, cfg.attn_impl, obj)
+        sums += slot_stats(out, batch.valid[..., first], first).double()
+        extra = getattr(out, "extra", None)
+        if extra is not None and extra.accept is not None:
+            idx = batch.valid.reshape(-1).nonzero().squeeze(-1)
+            part = analytic_stats(extra.accept, extra.conf, idx % B - first, idx // B, batch.valid.shape[0] * batch.valid.shape[1], n_draft)
+            ana = part if ana is None else ana + part
         loss_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double()])
     model.train(was_training)
     _all_reduce(sums, inp.world)
     _all_reduce(loss_sums, inp.world)
-    metrics = {f"val_{k}": v for k, v in summarize(sums.cpu(), B).items()}
+    metrics = {f"val_{k}": v for k, v in summarize(sums.cpu(), B, first).items()}
+    if obj is not None and obj.needs_target:
+        if ana is None:  # this rank had no rows: zeros keep the all-reduce in step
+            ana = analytic_stats(torch.zeros(0, device=inp.device), None, torch.zeros(0, dtype=torch.long, device=inp.device),
+                                 torch.zeros(0, dtype=torch.long, device=inp.device), 0, n_draft)
+        _all_reduce(ana, inp.world)
+        with_conf = is_dspark(dcfg) and dcfg.enable_confidence_head
+        metrics.update({f"val_{k}": v for k, v in summarize_analytic(ana.cpu(), n_draft, with_conf).items()})
     metrics["val_loss"] = float(loss_sums[0] / loss_sums[1]) if loss_sums[1] > 0 else float("nan")
     metrics["val_blocks"] = float(sums[-1])
     return metrics
@@ -164,8 +262,12 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
 
 def build_model(inp: TrainInputs) -> DFlashDrafter:
     torch.manual_seed(inp.cfg.seed)
-    model = DFlashDrafter(inp.dcfg, attn_impl=inp.cfg.attn_impl)
-    if inp.cfg.init_from_target and inp.target_hf_path:
+    cls = DSparkDrafter if is_dspark(inp.dcfg) else DFlashDrafter
+    model = cls(inp.dcfg, attn_impl=inp.cfg.attn_impl)
+    if inp.cfg.init_from:
+        init_from_drafter(model, inp.cfg.init_from)
+        log.info("warm start: backbone from the drafter in %s", inp.cfg.init_from)
+    elif inp.cfg.init_from_target and inp.target_hf_path:
         from draftforge.drafter.warm_start import init_from_target
 
         used = init_from_target(model, inp.target_hf_path, list(inp.cfg.init_layers) if inp.cfg.init_layers else None)
@@ -173,12 +275,37 @@ def build_model(inp: TrainInputs) -> DFlashDrafter:
     return model.to(inp.device)
 
 
+def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
+    """Copy a trained drafter's backbone (fc, norms, layers) into `model`; DSpark heads stay fresh.
+
+    The source's shape (layers, width, taps, block size) must match; its block convention may differ
+    (a DFlash drafter warm-starts a DSpark one)."""
+    from safetensors.torch import load_file
+
+    from draftforge.drafter.config import read_exported_config
+    from draftforge.errors import StageError
+
+    src_cfg = read_exported_config(directory)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "target_layer_ids", "layer_types", "vocab_size")
+    diff = [k for k in keys if getattr(src_cfg, k) != getattr(model.cfg, k)]
+    if diff:
+        raise StageError(f"train.init_from={directory}: drafter shape differs in {diff}")
+    tensors = load_file(str(Path(directory) / "model.safetensors"))
+    own = model.state_dict()
+    backbone = {k: v.to(own[k].dtype) for k, v in tensors.items() if k in own and not k.startswith(("markov_head.", "confidence_head."))}
+    missing = [k for k in own if not k.startswith(("markov_head.", "confidence_head.")) and k not in backbone]
+    if missing:
+        raise StageError(f"train.init_from={directory}: missing {missing[:4]}")
+    model.load_state_dict(backbone, strict=False)
+
+
 def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     """Train (or resume) to cfg's total steps; `stop_at_step` simulates an interruption (tests)."""
     cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
-    if cfg.batch_seqs % inp.world:
-        raise ValueError(f"train.batch_seqs={cfg.batch_seqs} must be a multiple of the world size {inp.world}")
-    per_epoch, total = total_steps(cfg, len(inp.train_source))
+    if cfg.batch_seqs < 1:
+        raise ValueError(f"train.batch_seqs={cfg.batch_seqs}: need >= 1 sequence per rank")
+    per_epoch, total = total_steps(cfg, len(inp.train_source), inp.world)
     dtype = compute_dtype(cfg, inp.device)
     model = build_model(inp)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -201,7 +328,8 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
             layer.compile()
         compile_loss()
     fwd_model = ddp
-    weights = slot_weights(dcfg.block_size, cfg.loss_gamma).to(inp.device)
+    weights = slot_weights(dcfg.block_size, cfg.loss_gamma, convention(dcfg)[0]).to(inp.device)
+    obj = make_objective(cfg, dcfg)
 
     def checkpoint(at: int) -> None:
         if rank0:
@@ -223,7 +351,7 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
         if best is None or metrics["val_sim_tau"] > best["val_sim_tau"]:
             best = dict(metrics)
             if rank0:
-                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best})
+                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best, "resume_key": inp.resume_key})
         if rank0 and inp.logger is not None:
             inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=at)
         if rank0:
@@ -240,10 +368,10 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
         for step_now, epoch, batch in it:
             batch = batch.to(inp.device)
             with _autocast(inp.device, dtype):
-                out = forward_batch(fwd_model, inp.head, batch, weights, cfg.attn_impl)
+                out = forward_batch(fwd_model, inp.head, batch, weights, cfg.attn_impl, obj)
             sums = torch.stack([out.weight_sum.float(), out.weighted_ce_sum.detach().float(),
                                 torch.tensor(float(batch.n_tokens), device=inp.device),
-                                batch.valid[..., 1].sum().float() * dcfg.block_size])
+                                batch.valid[..., convention(dcfg)[0]].sum().float() * dcfg.block_size])
             _all_reduce(sums, inp.world)
             w_global = sums[0].clamp_min(1e-6)
             loss = out.weighted_ce_sum / w_global * inp.world

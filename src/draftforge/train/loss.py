@@ -1,4 +1,4 @@
-"""Decayed block cross-entropy and the acceptance metrics (DESIGN.md §4, training objective).
+"""Decayed block cross-entropy and the acceptance metrics (docs/architecture.md, "Drafter and training objective").
 
 Slot k (1..B-1) of a block predicts the token at anchor+k with weight w_k = exp(-(k-1)/gamma);
 slot 0 (the anchor itself) and unsupervised / out-of-sequence slots do not count. The loss is
@@ -13,12 +13,32 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# gamma by block size, the DFlash paper's values (SpecForge's trainer suggests the same: "7 for
+# block_size=16, 5 for 10, 4 for 8"). Larger blocks keep more weight on late slots.
+GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """(B,) float32: w_0 = 0, w_k = exp(-(k-1)/gamma) for k >= 1."""
+
+def default_gamma(block_size: int) -> float:
+    """The published gamma for B = 8 / 10 / 16; other sizes: piecewise linear through those points
+    (B/2 up to 10, then +1/3 per slot), so the weight of the last slot stays comparable."""
+    if block_size in GAMMA_BY_BLOCK:
+        return GAMMA_BY_BLOCK[block_size]
+    if block_size <= 10:
+        return max(1.0, block_size / 2)
+    return 5.0 + (block_size - 10) / 3
+
+
+def resolve_gamma(gamma: float | None, block_size: int) -> float:
+    return float(gamma) if gamma is not None else default_gamma(block_size)
+
+
+def slot_weights(block_size: int, gamma: float | None, first_slot: int = 1) -> torch.Tensor:
+    """(B,) float32: w_k = 0 for k < first_slot, exp(-(k-first_slot)/gamma) after (first draft: 1;
+    gamma None: by block size)."""
+    gamma = resolve_gamma(gamma, block_size)
     k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+    w = torch.exp(-(k - first_slot) / gamma)
+    w[:first_slot] = 0.0
     return w
 
 
@@ -73,28 +93,27 @@ def block_losses(
     return BlockOutputs(weighted, wv.sum().detach(), correct.view(S, N, B), valid)
 
 
-def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor) -> torch.Tensor:
+def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor, first_slot: int = 1) -> torch.Tensor:
     """Sums for per-slot accuracy and simulated acceptance, as one vector (all-reducible).
 
     anchor_real (S, N) bool. Layout: [correct per slot (B), valid per slot (B), sum of accepted
     prefix lengths over blocks, number of blocks]. Simulated acceptance of a block = 1 + length of
     the prefix of slots 1..B-1 whose argmax is right (an invalid slot ends the prefix).
     """
-    B = out.valid.shape[-1]
     correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
     valid_per_slot = out.valid.sum(dim=(0, 1)).float()
-    prefix = torch.cumprod(out.correct[..., 1:].long(), dim=-1).sum(-1).float()  # (S, N)
+    prefix = torch.cumprod(out.correct[..., first_slot:].long(), dim=-1).sum(-1).float()  # (S, N)
     accepted = (prefix * anchor_real).sum().reshape(1)
     blocks = anchor_real.sum().float().reshape(1)
     return torch.cat([correct_per_slot, valid_per_slot, accepted, blocks])
 
 
-def summarize(stats: torch.Tensor, block_size: int) -> dict[str, float]:
+def summarize(stats: torch.Tensor, block_size: int, first_slot: int = 1) -> dict[str, float]:
     """Metrics from (possibly all-reduced) slot_stats sums: acc_slot_k, acc, sim_tau."""
-    B = block_size
+    B, f = block_size, first_slot
     correct, valid = stats[:B], stats[B : 2 * B]
     accepted, blocks = float(stats[2 * B]), float(stats[2 * B + 1])
-    metrics = {f"acc_slot_{k}": float(correct[k] / valid[k]) if valid[k] > 0 else 0.0 for k in range(1, B)}
-    metrics["acc"] = float(correct[1:].sum() / valid[1:].sum()) if valid[1:].sum() > 0 else 0.0
+    metrics = {f"acc_slot_{k}": float(correct[k] / valid[k]) if valid[k] > 0 else 0.0 for k in range(f, B)}
+    metrics["acc"] = float(correct[f:].sum() / valid[f:].sum()) if valid[f:].sum() > 0 else 0.0
     metrics["sim_tau"] = 1.0 + accepted / blocks if blocks > 0 else 1.0
     return metrics

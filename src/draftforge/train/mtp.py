@@ -26,30 +26,6 @@ from draftforge.train.data import FeatureSource, truncate
 from draftforge.train.head import FrozenTargetHead
 
 log = logging.getLogger(__name__)
-NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
-ZERO_CENTERED_NORM = ("qwen3_5", "qwen3_next")  # RMSNorm scales by (1 + w)
-
-
-class TargetNorm:
-    """The target's final RMSNorm, applied to the stored raw last-layer output."""
-
-    def __init__(self, weight: torch.Tensor, eps: float, zero_centered: bool) -> None:
-        self.scale = weight.float() + (1.0 if zero_centered else 0.0)
-        self.eps = eps
-
-    @classmethod
-    def from_target(cls, info: dict[str, Any]) -> "TargetNorm":
-        from draftforge.drafter.warm_start import read_tensors
-
-        found = read_tensors(info["hf_path"], list(NORM_NAMES))
-        w = next((found[n] for n in NORM_NAMES if n in found), None)
-        if w is None:
-            raise ValueError(f"{info['hf_path']}: no final norm ({' / '.join(NORM_NAMES)}) in the target's safetensors")
-        return cls(w, float(info["rms_norm_eps"]), str(info.get("model_type", "")).startswith(ZERO_CENTERED_NORM))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale.to(x.device)
 
 
 @dataclass
@@ -59,9 +35,15 @@ class MTPSeq:
     hidden: torch.Tensor  # (T, H) final-normed last-layer states
 
 
-def mtp_item(src: FeatureSource, i: int, norm: TargetNorm, max_len: int) -> MTPSeq:
-    ids, lmask, hidden = truncate(src[i], max_len)
-    return MTPSeq(ids.long(), lmask.bool(), norm(hidden))
+def mtp_item(src: FeatureSource, i: int, max_len: int) -> MTPSeq:
+    """Sequence i of a feature source whose items carry the target's final-normed last layer as the 4th
+    element (`last_hidden`, stored by extract when `train.config.needs_last_layer`); the taps are unused."""
+    item = src[i]
+    if len(item) < 4 or item[3] is None:
+        raise ValueError("the features carry no final-normed last layer (`last_hidden`): rerun extract with "
+                         "train.mtp=true (draftforge.train.config.needs_last_layer decides what extract stores)")
+    ids, lmask, _, last = truncate(item, max_len)  # type: ignore[misc]
+    return MTPSeq(ids.long(), lmask.bool(), last)
 
 
 def recursive_outputs(head: MTPHead, embed: torch.Tensor, seq: MTPSeq, depth: int) -> list[torch.Tensor]:
@@ -175,7 +157,7 @@ class MTPResult:
     seconds: float = 0.0
 
 
-def train_mtp(head: MTPHead, frozen: FrozenTargetHead, norm: TargetNorm, train_src: FeatureSource,
+def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
               val_src: FeatureSource | None, *, steps: int, lr: float, depth: int, rows: int, val_drafts: int,
               eval_every: int, max_len: int, val_max_seqs: int, seed: int = 0, warmup_ratio: float = 0.04,
               grad_clip: float = 1.0, device: torch.device | str = "cpu", logger: Any = None,
@@ -193,7 +175,7 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, norm: TargetNorm, train_s
     gen = torch.Generator().manual_seed(seed)
     val = []
     if val_src is not None:
-        val = [mtp_item(val_src, i, norm, max_len) for i in val_indices(len(val_src), val_max_seqs)]
+        val = [mtp_item(val_src, i, max_len) for i in val_indices(len(val_src), val_max_seqs)]
         val = [MTPSeq(s.ids.to(device), s.mask.to(device), s.hidden.to(device)) for s in val]
     res = MTPResult(head)
     best_state = None
@@ -215,7 +197,7 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, norm: TargetNorm, train_s
     for step in tqdm(range(steps), desc="train mtp", unit="step", disable=not progress):
         if step % len(order) == 0 and step:
             order = torch.randperm(len(train_src), generator=gen).tolist()
-        seq = mtp_item(train_src, order[step % len(order)], norm, max_len)
+        seq = mtp_item(train_src, order[step % len(order)], max_len)
         seq = MTPSeq(seq.ids.to(device), seq.mask.to(device), seq.hidden.to(device))
         if seq.ids.numel() < 3:
             continue
@@ -242,19 +224,17 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
     """The train stage's MTP part (rank 0): train, export to out_dir/mtp in vLLM's MiMo MTP format,
     return the metrics.json entry."""
     from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+    from draftforge.errors import StageError
     from draftforge.train.features import open_features
 
-    last = int(info["num_layers"]) - 1
-    train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32, mtp=True, layers=[last])
-    from draftforge.errors import StageError
-
+    train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32)
     try:
+        mtp_item(train_src, 0, 1)  # the store carries `last_hidden` (extract ran with train.mtp on)
         head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
-        norm = TargetNorm.from_target(info)
     except ValueError as exc:
-        raise StageError(f"train.mtp: {exc}") from None
+        raise StageError(f"train.mtp: {ctx.input_marker('extract')}: {exc}") from None
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
-    res = train_mtp(head, frozen, norm, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
+    res = train_mtp(head, frozen, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
                     depth=cfg.mtp_depth, rows=cfg.mtp_rows, val_drafts=cfg.mtp_val_drafts,
                     eval_every=cfg.mtp_eval_every, max_len=cfg.max_seq_len, val_max_seqs=cfg.val_max_seqs,
                     seed=cfg.seed, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip or 1.0, device=device,

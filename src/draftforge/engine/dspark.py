@@ -1,0 +1,155 @@
+"""DSpark methods: the Markov-biased chain (`dspark`) and the Markov-conditioned DDTree (`ddtree_markov`).
+
+Both run the drafter's backbone once per round (the DFlash block pass, `DrafterContext.block_hidden`) and
+read the base logits of its predicting slots, z_d (depth d = 1..D; D = B drafts with DSpark's default
+block, B-1 with the DFlash fill-in block). The Markov head turns them into the conditional draft
+distribution of depth d given the token x at depth d-1 (the bonus for d = 1):
+    q_d(· | x) = softmax(z_d + markov_w2 · markov_w1[x])                  (vLLM's DSpark speculator)
+
+`dspark`: left to right, x_d = argmax q_d(· | x_{d-1}) — at every temperature (like `dflash`; the
+verification samples from the target, so drafting greedily at T > 0 stays lossless and only changes τ).
+
+`ddtree_markov` (budget b): DDTree's best-first search over prefixes scored by summed log-probabilities,
+but a node's children are ranked by q_{d+1}(· | the node's own token) instead of the depth's marginal:
+siblings of the spine get their own continuation distributions. Normalisation: the full-vocabulary
+fp32 log-softmax of z_d + bias (temperature 1), then the top K = min(b, V) of it. Why full-vocabulary
+and not a softmax restricted to the base top-K (vLLM's `dspark_draft_topk`): the score of a path is then
+the drafter's own log-probability of that path, comparable across branches whose Markov biases differ;
+a restricted softmax renormalises each node's children over a set chosen without the bias and so
+overstates a child's probability exactly where the bias moves mass elsewhere (the case the Markov head
+exists for), and a path through such a node would be over-ranked. Children depend only on
+(depth, parent token) (a first-order head), so each distinct pair costs one r × V product per round.
+Log-probs are ≤ 0 and children lists are sorted, so popping in score order still yields the b
+best prefixes, topologically ordered.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import torch
+
+from draftforge.engine.methods import METHODS, DrafterContext, Features
+from draftforge.engine.target import TargetModel
+from draftforge.engine.tree import Tree, chain_tree
+
+
+def require_dspark(drafter: Any, method: str) -> None:
+    from draftforge.drafter.dspark import is_dspark
+
+    if not is_dspark(getattr(drafter, "cfg", None)):
+        raise ValueError(f"engine: method {method!r} needs a DSpark drafter (Markov head); this drafter is DFlash: "
+                         f"run 'dflash' / 'ddtree' with it")
+
+
+class _MarkovBase:
+    needs_taps = True
+
+    def __init__(self, tm: TargetModel, drafter: Any) -> None:
+        require_dspark(drafter, self.name)
+        self.tm, self.drafter = tm, drafter
+        self.ctx = DrafterContext(drafter, tm)
+        self.n_draft = drafter.cfg.n_draft
+        head = drafter.markov_head
+        self.w1 = head.markov_w1.weight.detach().float() if head is not None else None  # (V, r)
+        self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V, r)
+
+    def begin(self, feats: Features) -> None:
+        self.ctx.add(feats.taps)
+
+    def observe(self, feats: Features) -> None:
+        self.ctx.add(feats.taps)
+
+    def base_logits(self, bonus: int, start: int) -> torch.Tensor:
+        """(D, V) fp32 base logits of the predicting slots (depths 1..D)."""
+        return self.ctx.block_logits(bonus, start).float()
+
+    def bias(self, prev: torch.Tensor) -> torch.Tensor | int:
+        """prev (...,) int64 → (..., V) Markov bias (0 without a head)."""
+        return 0 if self.w1 is None else self.w1[prev] @ self.w2.t()
+
+
+class DSparkChain(_MarkovBase):
+    """DSpark: one backbone pass, then the drafts left to right with the Markov bias (greedy)."""
+
+    name, budget = "dspark", None
+
+    def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
+        super().__init__(tm, drafter)
+        self.verify_size = 1 + self.n_draft
+
+    def draft(self, bonus: int, start: int) -> torch.Tensor:
+        base = self.base_logits(bonus, start)
+        prev = torch.tensor(bonus, device=base.device)
+        toks = []
+        for d in range(base.shape[0]):  # sequential on the device: one host sync at the end
+            prev = (base[d] + self.bias(prev)).argmax(-1)
+            toks.append(prev)
+        return torch.stack(toks)
+
+    def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
+        return chain_tree(bonus, drafted.tolist())
+
+
+class DDTreeMarkov(_MarkovBase):
+    """DDTree whose children are ranked by the Markov-conditioned distribution given their parent's token."""
+
+    name = "ddtree_markov"
+
+    def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
+        if budget is None or budget < 1:
+            raise ValueError(f"ddtree_markov budget {budget} < 1")
+        super().__init__(tm, drafter)
+        self.budget = int(budget)
+        self.verify_size = 1 + self.budget
+
+    def draft(self, bonus: int, start: int) -> torch.Tensor:
+        return self.base_logits(bonus, start)
+
+    def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
+        return build_markov_tree(bonus, drafted, self.bias, self.budget)
+
+
+def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int) -> Tree:
+    """Best-first tree of `budget` nodes; children of a node at depth d with token x are the top-K of
+    log_softmax(base[d] + bias(x)) (fp32, full vocabulary), K = min(budget, V)."""
+    depth_max, V = base.shape
+    k = min(budget, V)
+    tree = Tree(tokens=[bonus], parents=[-1], depths=[0], scores=[0.0])
+    if budget <= 0 or depth_max == 0:
+        return tree
+    cache: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+
+    def children(depth: int, tok: int) -> tuple[list[float], list[int]]:
+        """Sorted top-k (log-prob, token) of depth+1 given `tok` at `depth`."""
+        key = (depth, tok)
+        if key not in cache:
+            logp = torch.log_softmax(base[depth] + bias(torch.tensor(tok, device=base.device)), dim=-1)
+            vals, idx = torch.topk(logp, k)
+            cache[key] = (vals.tolist(), idx.tolist())
+        return cache[key]
+
+    counter = 0
+    root = children(0, bonus)
+    # entry: (-score, tie-break, depth, rank, parent index, parent score, parent's children list)
+    heap = [(-root[0][0], counter, 1, 0, 0, 0.0, root)]
+    while heap and len(tree) - 1 < budget:
+        neg, _, d, r, parent, parent_score, kids = heapq.heappop(heap)
+        node = len(tree)
+        tok = kids[1][r]
+        tree.tokens.append(tok)
+        tree.parents.append(parent)
+        tree.depths.append(d)
+        tree.scores.append(-neg)
+        if r + 1 < k:  # next sibling under the same parent
+            counter += 1
+            heapq.heappush(heap, (-(parent_score + kids[0][r + 1]), counter, d, r + 1, parent, parent_score, kids))
+        if d < depth_max and len(tree) - 1 < budget:  # first child, ranked given this node's token
+            own = children(d, tok)
+            counter += 1
+            heapq.heappush(heap, (-(-neg + own[0][0]), counter, d + 1, 0, node, -neg, own))
+    return tree
+
+
+METHODS.update({"dspark": DSparkChain, "ddtree_markov": DDTreeMarkov})

@@ -1,0 +1,51 @@
+"""Train/serve parity: vLLM τ beside the standalone engine's τ of one method, same prompts, T = 0 —
+`dflash` (our drafter) and `mtp` (the MTP head, native or trained).
+
+Computed here, in `report` (the one stage that declares both `evaluate` and `baselines` as inputs), over
+the rows `report.rows.collect_rows` joined: a changed evaluate or baselines result always reruns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _method_at_t0(rows: Sequence[Mapping[str, Any]], engine: str, method: str) -> dict[str, Mapping[str, Any]]:
+    """The first row of `method` at T = 0 with a τ, per dataset, of one engine."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for row in rows:
+        if row.get("engine") != engine or row.get("method") != method or row.get("tau") is None:
+            continue
+        if float(row.get("temperature") or 0.0) == 0.0:
+            found.setdefault(str(row.get("dataset")), row)
+    return found
+
+
+def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: str = "dflash") -> dict[str, Any]:
+    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` against `tolerance`; `all_within` over
+    the checked."""
+    ours, vllm = _method_at_t0(rows, "draftforge", method), _method_at_t0(rows, "vllm", method)
+    block: dict[str, Any] = {"tolerance": tolerance, "datasets": {}, "all_within": None}
+    for dataset in sorted(set(ours) | set(vllm)):
+        mine, theirs = vllm.get(dataset), ours.get(dataset)
+        entry: dict[str, Any] = {
+            "vllm_tau": float(mine["tau"]) if mine else None,
+            "standalone_tau": float(theirs["tau"]) if theirs else None,
+            "vllm_n_prompts": mine.get("n_prompts") if mine else None,
+            "standalone_n_prompts": theirs.get("n_prompts") if theirs else None,
+            "rel_diff": None,
+            "within_tolerance": None,
+        }
+        if mine and theirs and float(theirs["tau"]) > 0:
+            entry["rel_diff"] = abs(float(mine["tau"]) - float(theirs["tau"])) / float(theirs["tau"])
+            entry["within_tolerance"] = entry["rel_diff"] <= tolerance
+        block["datasets"][dataset] = entry
+    checked = [e["within_tolerance"] for e in block["datasets"].values() if e["within_tolerance"] is not None]
+    block["available"] = bool(checked)
+    if checked:
+        block["all_within"] = all(checked)
+    else:
+        name = "DFlash" if method == "dflash" else method
+        block["reason"] = f"no dataset has both a vLLM {name} τ and a standalone {name} τ at T=0"
+    return block

@@ -1,0 +1,203 @@
+"""Distribution-matching block objective (DSpark; also available to DFlash drafters), chunked over the vocabulary.
+
+Per supervised draft row (a block slot that predicts position p):
+    z = lm_head(h) [+ markov_w2 · markov_w1[prev]]       draft logits, q = softmax(z)
+    t = lm_head(target last hidden state at p - 1)       the target's own next-token logits, p_t = softmax(t)
+    ce = -log q[y]            (y = the data token at p)
+    kl = KL(p_t || q)
+    tv = ½ ‖q - p_t‖₁         (total variation; 1 - tv is the analytic acceptance probability of the draft)
+Loss = Σ_rows w_row (λ_ce ce + λ_kl kl + λ_tv tv + λ_conf BCE(conf_logit, 1 - tv)) / Σ_rows w_row, with the
+position weight w = exp(-k/γ) for the k-th draft of a block (k = 0 for the first). The paper's default
+0.9 × L1 + 0.1 × CE is λ_tv = 1.8, λ_ce = 0.1.
+
+Memory: the vocabulary is processed in chunks of `chunk` columns, in fp32, by a custom autograd function
+(two passes forward: log-sum-exp of z and t, then the terms; one pass backward recomputing each chunk):
+nothing of size rows × V is ever materialised beyond one rows × chunk block. The gradient w.r.t. z_j is
+    g_ce (q_j - 1[j=y]) + g_kl (q_j - p_j) + g_tv · ½ q_j (s_j - Σ_v q_v s_v),   s = sign(q - p_t).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TERMS = ("ce", "kl", "tv")
+DFLASH_WEIGHTS = {"ce": 1.0}
+DSPARK_WEIGHTS = {"tv": 1.8, "ce": 0.1}  # = 0.9 × L1 + 0.1 × CE
+N_CAL_BINS = 10
+
+
+def check_weights(weights: dict[str, float]) -> dict[str, float]:
+    bad = sorted(set(weights) - set(TERMS))
+    if bad or not any(float(v) > 0 for v in weights.values()) or any(float(v) < 0 for v in weights.values()):
+        raise ValueError(f"loss weights {dict(weights)}: terms from {list(TERMS)}, >= 0, at least one > 0")
+    return {k: float(v) for k, v in weights.items()}
+
+
+def _chunk_logits(h, e, w2, lm_head, lo, hi):
+    z = h @ lm_head[lo:hi].t()
+    if e is not None:
+        z = z + e @ w2[lo:hi].t()
+    return z.float()
+
+
+class ChunkedDistLoss(torch.autograd.Function):
+    """→ terms (M, 3) fp32 [ce, kl, tv] per row (differentiable) and top-1 hits (M,) bool."""
+
+    @staticmethod
+    def forward(ctx, h, e, w2, lm_head, ht, y, chunk: int):
+        M, V = h.shape[0], lm_head.shape[0]
+        dev = h.device
+        has_t = ht is not None
+        lse_z = torch.full((M,), float("-inf"), device=dev)
+        lse_t = torch.full((M,), float("-inf"), device=dev)
+        best = torch.full((M,), float("-inf"), device=dev)
+        arg = torch.zeros(M, dtype=torch.long, device=dev)
+        z_y = torch.zeros(M, device=dev)
+        for lo in range(0, V, chunk):
+            hi = min(V, lo + chunk)
+            z = _chunk_logits(h, e, w2, lm_head, lo, hi)
+            lse_z = torch.logaddexp(lse_z, torch.logsumexp(z, -1))
+            m, i = z.max(-1)
+            upd = m > best
+            best, arg = torch.where(upd, m, best), torch.where(upd, i + lo, arg)
+            inside = (y >= lo) & (y < hi)
+            z_y = torch.where(inside, z.gather(1, (y - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1), z_y)
+            if has_t:
+                lse_t = torch.logaddexp(lse_t, torch.logsumexp((ht @ lm_head[lo:hi].t()).float(), -1))
+        kl = torch.zeros(M, device=dev)
+        l1 = torch.zeros(M, device=dev)
+        qs = torch.zeros(M, device=dev)
+        if has_t:
+            for lo in range(0, V, chunk):
+                hi = min(V, lo + chunk)
+                logq = _chunk_logits(h, e, w2, lm_head, lo, hi) - lse_z[:, None]
+                logp = (ht @ lm_head[lo:hi].t()).float() - lse_t[:, None]
+                q, p = logq.exp(), logp.exp()
+                kl += (p * (logp - logq)).sum(-1)
+                l1 += (q - p).abs().sum(-1)
+                qs += (q * torch.sign(q - p)).sum(-1)
+        terms = torch.stack([lse_z - z_y, kl, 0.5 * l1], dim=-1)
+        hits = arg == y
+        ctx.save_for_backward(h, e, w2, lm_head, ht, y, lse_z, lse_t, qs)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(hits)
+        return terms, hits
+
+    @staticmethod
+    def backward(ctx, g_terms, _g_hits):
+        h, e, w2, lm_head, ht, y, lse_z, lse_t, qs = ctx.saved_tensors
+        V = lm_head.shape[0]
+        g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
+        need_h, need_e, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        gh = torch.zeros_like(h, dtype=torch.float32) if need_h else None
+        ge = torch.zeros_like(e, dtype=torch.float32) if (need_e and e is not None) else None
+        gw2 = torch.zeros_like(w2, dtype=torch.float32) if (need_w2 and w2 is not None) else None
+        rows = torch.arange(h.shape[0], device=h.device)
+        for lo in range(0, V, ctx.chunk):
+            hi = min(V, lo + ctx.chunk)
+            q = (_chunk_logits(h, e, w2, lm_head, lo, hi) - lse_z[:, None]).exp()
+            gz = g_ce[:, None] * q
+            inside = (y >= lo) & (y < hi)
+            gz[rows[inside], y[inside] - lo] -= g_ce[inside]
+            if ht is not None:
+                p = ((ht @ lm_head[lo:hi].t()).float() - lse_t[:, None]).exp()
+                gz += g_kl[:, None] * (q - p)
+                gz += (0.5 * g_tv)[:, None] * q * (torch.sign(q - p) - qs[:, None])
+            if gh is not None:
+                gh += gz @ lm_head[lo:hi].float()
+            if ge is not None:
+                ge += gz @ w2[lo:hi].float()
+            if gw2 is not None:
+                gw2[lo:hi] += gz.t() @ e.float()
+        cast = lambda g, ref: None if g is None else g.to(ref.dtype)  # noqa: E731
+        return cast(gh, h), cast(ge, e), cast(gw2, w2), None, None, None, None
+
+
+def dist_terms(h, lm_head, y, ht=None, e=None, w2=None, chunk: int = 8192):
+    """h (M, H), lm_head (V, H) frozen, y (M,), ht (M, H) target last hidden or None, e (M, r) / w2 (V, r)
+    the Markov embedding and projection (or None) → (terms (M, 3) [ce, kl, tv], hits (M,))."""
+    return ChunkedDistLoss.apply(h, e, w2, lm_head, ht, y, int(chunk))
+
+
+def dense_terms(h, lm_head, y, ht=None, e=None, w2=None):
+    """Reference of dist_terms with full (M, V) tensors (tests)."""
+    z = h @ lm_head.t() + (e @ w2.t() if e is not None else 0)
+    logq = torch.log_softmax(z, -1)
+    ce = -logq.gather(1, y[:, None]).squeeze(1)
+    if ht is None:
+        zero = torch.zeros_like(ce)
+        return torch.stack([ce, zero, zero], -1)
+    logp = torch.log_softmax(ht @ lm_head.t(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    tv = 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
+    return torch.stack([ce, kl, tv], -1)
+
+
+@dataclass
+class DistOutputs:
+    weighted_sum: torch.Tensor  # scalar, differentiable: Σ w (λ·terms + λ_conf BCE)
+    weight_sum: torch.Tensor  # Σ w over rows
+    terms: torch.Tensor  # (M, 3) detached
+    accept: torch.Tensor | None  # (M,) analytic acceptance 1 - tv (None without the target's distribution)
+    conf: torch.Tensor | None  # (M,) predicted acceptance sigmoid(conf_logit)
+    hits: torch.Tensor  # (M,) bool
+
+
+def objective(h, lm_head, y, w_row, weights: dict[str, float], ht=None, e=None, w2=None, conf_logit=None,
+              conf_weight: float = 0.0, chunk: int = 8192) -> DistOutputs:
+    """The weighted block objective over M rows (see the module docstring)."""
+    weights = check_weights(weights)
+    if ht is None and (weights.get("kl", 0) > 0 or weights.get("tv", 0) > 0 or (conf_logit is not None and conf_weight > 0)):
+        raise ValueError("kl / tv / confidence terms need the target's last hidden state (extract it for this drafter)")
+    terms, hits = dist_terms(h, lm_head, y, ht, e, w2, chunk)
+    lam = torch.tensor([weights.get(t, 0.0) for t in TERMS], device=h.device)
+    per_row = (terms * lam).sum(-1)
+    accept = (1.0 - terms[:, 2]).detach() if ht is not None else None
+    conf = None
+    if conf_logit is not None:
+        conf = torch.sigmoid(conf_logit.detach().float())
+        if conf_weight > 0:
+            per_row = per_row + conf_weight * F.binary_cross_entropy_with_logits(
+                conf_logit.float(), accept.clamp(0.0, 1.0), reduction="none")
+    w = w_row.float()
+    weighted = (w * per_row).sum() + h.sum() * 0.0
+    return DistOutputs(weighted, w.sum().detach(), terms.detach(), accept, conf, hits)
+
+
+def analytic_stats(accept: torch.Tensor, conf: torch.Tensor | None, draft_index: torch.Tensor, block_id: torch.Tensor,
+                   n_blocks: int, n_draft: int) -> torch.Tensor:
+    """All-reducible sums for the val metrics.
+
+    accept (M,) analytic acceptance of each valid row, draft_index (M,) k = 0..n_draft-1, block_id (M,) in
+    [0, n_blocks). Layout: [Σ accept per k (n_draft), rows per k (n_draft), Σ analytic τ over blocks, blocks,
+    per calibration bin (count, Σ conf, Σ accept) × N_CAL_BINS].
+    The analytic τ of a block = 1 + Σ_k Π_{j ≤ k} a_j (a missing row ends the product).
+    """
+    dev = accept.device
+    acc_k = torch.zeros(n_draft, device=dev, dtype=torch.float64).index_add_(0, draft_index, accept.double())
+    cnt_k = torch.zeros(n_draft, device=dev, dtype=torch.float64).index_add_(0, draft_index, torch.ones_like(accept, dtype=torch.float64))
+    grid = torch.zeros(n_blocks, n_draft, device=dev, dtype=torch.float64)
+    grid[block_id, draft_index] = accept.double()
+    tau = (1.0 + torch.cumprod(grid, dim=-1).sum(-1)).sum().reshape(1)
+    cal = torch.zeros(N_CAL_BINS, 3, device=dev, dtype=torch.float64)
+    if conf is not None:
+        b = (conf.double() * N_CAL_BINS).long().clamp(0, N_CAL_BINS - 1)
+        cal.index_add_(0, b, torch.stack([torch.ones_like(conf, dtype=torch.float64), conf.double(), accept.double()], -1))
+    return torch.cat([acc_k, cnt_k, tau, torch.tensor([float(n_blocks)], device=dev, dtype=torch.float64), cal.flatten()])
+
+
+def summarize_analytic(stats: torch.Tensor, n_draft: int, with_conf: bool) -> dict[str, float]:
+    """val metrics: analytic_accept_k (per draft index), analytic_tau, conf_ece (binned |conf - acceptance|)."""
+    acc_k, cnt_k = stats[:n_draft], stats[n_draft : 2 * n_draft]
+    tau, blocks = float(stats[2 * n_draft]), float(stats[2 * n_draft + 1])
+    cal = stats[2 * n_draft + 2 :].view(N_CAL_BINS, 3)
+    out = {f"analytic_accept_{k}": float(acc_k[k] / cnt_k[k]) if cnt_k[k] > 0 else 0.0 for k in range(n_draft)}
+    out["analytic_tau"] = tau / blocks if blocks > 0 else 1.0
+    if with_conf and cal[:, 0].sum() > 0:
+        n = cal[:, 0].sum()
+        nz = cal[:, 0] > 0
+        out["conf_ece"] = float(((cal[nz, 1] - cal[nz, 2]).abs()).sum() / n)
+    return out

@@ -1,0 +1,89 @@
+"""The captured engine on CUDA (skipped without a GPU): CUDA-graph replays give the eager engine's
+tokens (fp32: identical; bf16: differences counted), and size errors are raised before any replay."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BUDGETS = (1, 16, 64, 256)
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _setup(arch: str, dtype: torch.dtype, seed: int = 0):
+    from draftforge.engine.graph import CapturedEngine, verify_buckets
+    from engine_fixtures import tiny_drafter, tiny_hybrid_target, tiny_target
+
+    hybrid = arch.startswith("Qwen3_5") or arch.startswith("Qwen3Next")
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=seed)
+    tm.hf.to("cuda", dtype)
+    d = tiny_drafter(tm, seed=seed).to("cuda", dtype)
+    eng = CapturedEngine(tm, 512, verify_buckets(d.cfg.block_size, BUDGETS), drafter=d)
+    eng.capture()
+    assert eng.graphs and all(b.graph is not None for b in eng._buckets.values()) and eng.drafter.graph is not None
+    return tm, d, eng
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_captured_equals_eager_fp32(arch: str) -> None:
+    from draftforge.engine import generate, make_method
+    from engine_fixtures import prompt
+
+    tm, d, eng = _setup(arch, torch.float32)
+    for seed, plen in ((0, 9), (1, 70)):
+        p = prompt(tm.vocab_size, plen, seed=seed)
+        ar = generate(tm, None, p, 40).tokens
+        assert generate(tm, None, p, 40, engine=eng).tokens == ar, "ar"
+        for name, b in [("dflash", None)] + [("ddtree", b) for b in BUDGETS]:
+            eager = generate(tm, make_method(name, tm, d, b), p, 40)
+            cap = generate(tm, make_method(name, tm, d, b), p, 40, engine=eng)
+            assert cap.tokens == eager.tokens == ar, (name, b, seed)
+            assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_captured_bf16_differences_are_rare_and_counted(arch: str) -> None:
+    from draftforge.engine import generate, make_method
+    from engine_fixtures import prompt
+
+    tm, d, eng = _setup(arch, torch.bfloat16, seed=1)
+    equal = total = 0
+    for seed in range(4):
+        p = prompt(tm.vocab_size, 9, seed=100 + seed)
+        ar = generate(tm, None, p, 32).tokens
+        for name, b in [("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 256)]:
+            m = make_method(name, tm, d, b)
+            equal += generate(tm, m, p, 32, engine=eng).tokens == ar
+            total += 1
+    print(f"bf16 {arch}: captured == eager AR on {equal}/{total} generations")
+    assert equal >= total * 2 // 3
+
+
+def test_captured_size_errors() -> None:
+    from draftforge.engine import CapacityError, generate, make_method
+    from draftforge.engine.graph import BucketError
+    from engine_fixtures import prompt
+
+    tm, d, eng = _setup("Qwen3ForCausalLM", torch.float32)
+    p = prompt(tm.vocab_size, 9)
+    with pytest.raises(BucketError, match="not a captured bucket"):
+        generate(tm, make_method("ddtree", tm, d, 32), p, 8, engine=eng)
+    with pytest.raises(CapacityError, match="longer than the fixed capacity"):
+        generate(tm, None, prompt(tm.vocab_size, eng.capacity + 1), 8, engine=eng)
+    with pytest.raises(CapacityError, match="exceed the fixed capacity"):
+        generate(tm, make_method("ddtree", tm, d, 256), p, eng.capacity, engine=eng)
+    assert generate(tm, None, p, 8, engine=eng).tokens == generate(tm, None, p, 8).tokens  # still usable

@@ -1,0 +1,140 @@
+"""DSpark engine methods: lossless at T=0 (seeds × budgets), T>0 distribution (chi-square), tree rules."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_engine import _chi2_critical, _exact_joint  # noqa: E402
+
+from draftforge.engine import (  # noqa: E402
+    generate,
+    generate_ar,
+    make_method,
+    wrap_target,  # noqa: E402
+)
+from draftforge.engine.dspark import build_markov_tree  # noqa: E402
+from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
+from draftforge.target.config import RandomTargetConfig  # noqa: E402
+from draftforge.target.random import build_random_model  # noqa: E402
+from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_dspark_drafter, tiny_target  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lossless_greedy_seeds_and_budgets(seed):
+    tm = tiny_target(ARCHS[seed % 2], vocab=96 if seed < 3 else 8, seed=seed)
+    drafter = tiny_dspark_drafter(tm, seed=seed, bonus_anchor=seed == 4)
+    p = prompt(tm.vocab_size, 7, seed=seed)
+    ar = generate_ar(tm, p, 30).tokens
+    res = generate(tm, make_method("dspark", tm, drafter), p, 30)
+    assert res.tokens == ar
+    for budget in (1, 4, 16, 64):
+        res = generate(tm, make_method("ddtree_markov", tm, drafter, budget), p, 30)
+        assert res.tokens == ar, f"budget {budget}"
+        assert sum(res.accept_lengths) >= len(ar) - 1
+    assert generate(tm, make_method("ddtree", tm, drafter, 16), p, 30).tokens == ar  # marginal tree, same drafter
+
+
+def test_dspark_chain_drafts_the_markov_argmax_left_to_right():
+    tm = tiny_target(vocab=96, seed=1)
+    d = tiny_dspark_drafter(tm, seed=1)
+    m = make_method("dspark", tm, d)
+    assert m.verify_size == 1 + d.cfg.block_size  # every slot drafts (anchor-as-first-prediction)
+    m.begin(_features(tm, prompt(96, 7)))
+    base = m.base_logits(17, 7).double()
+    m2 = make_method("dspark", tm, d)
+    m2.begin(_features(tm, prompt(96, 7)))
+    toks = m2.draft(17, 7).tolist()
+    W1, W2 = d.markov_head.markov_w1.weight.double(), d.markov_head.markov_w2.weight.double()
+    prev, want = 17, []
+    for row in base:
+        prev = int((row + W1[prev] @ W2.t()).argmax())
+        want.append(prev)
+    assert toks == want
+
+
+def _features(tm, p):
+    from draftforge.engine.methods import Features
+    from draftforge.engine.span import chain_span
+    from draftforge.engine.state import TargetState
+    from draftforge.engine.target import forward
+
+    state = TargetState(tm, 64)
+    h, taps = forward(tm, state, chain_span(torch.tensor([p]), 0, tm.dtype, commit_all=True), True)
+    return Features(taps, h)
+
+
+def test_markov_tree_with_zero_bias_is_ddtree_and_children_follow_their_parent():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(5, 11, generator=g)
+    for budget in (1, 7, 40):
+        logp, toks = draft_topk(base, min(budget, 11))
+        ref = build_tree(2, logp, toks, budget)
+        got = build_markov_tree(2, base, lambda prev: 0, budget)
+        assert (got.tokens, got.parents, got.depths) == (ref.tokens, ref.parents, ref.depths)
+        assert got.scores == pytest.approx(ref.scores, abs=1e-5)
+    # a bias that makes the child token equal to (parent + 1) mod V: every first child follows its parent
+    bias = lambda prev: 50.0 * torch.nn.functional.one_hot((prev + 1) % 11, 11).float()  # noqa: E731
+    tree = build_markov_tree(2, base, bias, 30)
+    first_child = {}
+    for i in range(1, len(tree)):
+        first_child.setdefault(tree.parents[i], i)
+    for parent, child in first_child.items():
+        assert tree.tokens[child] == (tree.tokens[parent] + 1) % 11
+    assert len(tree) == 31 and all(tree.parents[i] < i for i in range(1, 31))
+
+
+def test_dflash_drafter_refuses_dspark_methods():
+    tm = tiny_target(vocab=96, seed=0)
+    d = tiny_drafter(tm)
+    for name in ("dspark", "ddtree_markov"):
+        with pytest.raises(ValueError, match="needs a DSpark drafter"):
+            make_method(name, tm, d, 4)
+
+
+@pytest.mark.parametrize("method", ["ddtree_markov", pytest.param("dspark", marks=pytest.mark.integration)])
+def test_sampling_matches_target_distribution(method):
+    """As the DFlash/DDTree chi-square test: first 3 tokens at T=1 on a 4-token vocabulary."""
+    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
+                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
+    model = build_random_model(spec)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.12)
+    tm = wrap_target(model, (0,))
+    drafter = tiny_dspark_drafter(tm, seed=1, block=3, rank=4)
+    p, n_tok, n = [0, 1, 2, 1, 3], 3, 2000
+    gen = torch.Generator().manual_seed(1234)
+    counts: Counter = Counter()
+    deep = 0
+    for _ in range(n):
+        res = generate(tm, make_method(method, tm, drafter, 12), p, n_tok, temperature=1.0, generator=gen)
+        counts[tuple(res.tokens)] += 1
+        deep += res.accept_lengths[0] >= 2
+    assert deep > n // 10
+
+    def chi2(probs):
+        cells = [(counts.get(k, 0), n * q) for k, q in probs.items()]
+        big = [(o, e) for o, e in cells if e >= 5]
+        so, se = sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5)
+        if se > 0:
+            big.append((so, se))
+        return sum((o - e) ** 2 / e for o, e in big), len(big) - 1
+
+    stat, df = chi2(_exact_joint(tm, p, n_tok, 1.0))
+    assert stat < _chi2_critical(df, 3.09), f"chi2 {stat:.1f} on {df} df"
+    wrong, wdf = chi2(_exact_joint(tm, p, n_tok, 0.4))
+    assert wrong > _chi2_critical(wdf, 3.09)

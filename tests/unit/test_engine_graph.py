@@ -1,0 +1,139 @@
+"""The static-shape engine (engine/graph.py) run eagerly on CPU: same tokens as the eager engine, padding
+invariance of verify buckets (attention and GDN trees), bucket selection and its errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from draftforge.engine import CapacityError, generate, make_method  # noqa: E402
+from draftforge.engine.graph import BucketError, CapturedEngine, verify_buckets  # noqa: E402
+from draftforge.engine.methods import DrafterContext  # noqa: E402
+from draftforge.engine.span import chain_span  # noqa: E402
+from draftforge.engine.target import forward  # noqa: E402
+from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
+from engine_fixtures import prompt, tiny_drafter, tiny_hybrid_target, tiny_target  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-9)).item()
+
+
+def _random_tree(n_nodes: int, seed: int, vocab: int):
+    g = torch.Generator().manual_seed(seed)
+    logp, toks = draft_topk(torch.randn(5, vocab, generator=g) * 3, 8)
+    return build_tree(5, logp, toks, n_nodes)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
+def test_static_engine_tokens_equal_eager(arch):
+    hybrid = arch != "Qwen3ForCausalLM"
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=3)
+    d = tiny_drafter(tm, seed=3)
+    budgets = (1, 16, 64)
+    eng = CapturedEngine(tm, 192, verify_buckets(d.cfg.block_size, budgets), drafter=d)
+    assert not eng.graphs  # CPU: the static step runs eagerly
+    for seed, plen in ((0, 9), (1, 70)):  # 70 > GDN prefill chunk
+        p = prompt(tm.vocab_size, plen, seed=seed)
+        ar = generate(tm, None, p, 24).tokens
+        assert generate(tm, None, p, 24, engine=eng).tokens == ar
+        for name, b in [("dflash", None)] + [("ddtree", b) for b in budgets]:
+            eager = generate(tm, make_method(name, tm, d, b), p, 24)
+            static = generate(tm, make_method(name, tm, d, b), p, 24, engine=eng)
+            assert static.tokens == eager.tokens == ar, (name, b, seed)
+            assert static.accept_lengths == eager.accept_lengths, (name, b, seed)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_padded_bucket_gives_the_real_nodes_the_same_outputs_and_state(arch):
+    """A tree verified alone and padded into a larger bucket: same logits/taps for its nodes and, after
+    committing a root path, the same KV rows and GDN conv/recurrent states."""
+    hybrid = arch != "Qwen3ForCausalLM"
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=4)
+    tree = _random_tree(12, seed=4, vocab=tm.vocab_size)
+    r = len(tree)
+    p = torch.tensor([prompt(tm.vocab_size, 11, seed=4)])
+    outs = []
+    for buckets in ((r,), (r + 19,)):
+        eng = CapturedEngine(tm, 128, buckets)
+        st = eng.begin(SimpleNamespace(verify_size=buckets[0]), 11, 40)
+        forward(tm, st, chain_span(p, 0, tm.dtype, commit_all=True))
+        logits, h, taps = eng.verify(tree)
+        logits, taps = logits.clone(), taps.clone()
+        path = [0]
+        while True:  # the root path down each node's first child
+            kids = [i for i in range(1, r) if tree.parents[i] == path[-1]]
+            if not kids:
+                break
+            path.append(kids[0])
+        eng.commit(path)
+        outs.append((logits, taps, st.kv[..., : st.length, :].clone(), st.conv.clone(), st.rec.clone()))
+    a, b = outs
+    assert a[0].shape == b[0].shape == (r, tm.vocab_size)
+    for x, y in zip(a, b):
+        assert _rel(x, y) < 1e-5 if y.numel() else True
+
+
+def test_static_drafter_matches_eager_drafter_logits():
+    tm = tiny_target("Qwen3ForCausalLM", seed=5)
+    d = tiny_drafter(tm, seed=5)
+    eng = CapturedEngine(tm, 128, (1, d.cfg.block_size), drafter=d)
+    ref, sd = DrafterContext(d, tm), eng.drafter.context()
+    g = torch.Generator().manual_seed(5)
+    taps = torch.randn(1, 30, len(tm.tap_ids) * tm.hidden_size, generator=g)
+    start = 0
+    for n_new in (20, 3, 6, 1):  # a prompt longer than one block, then rounds of τ ≤ B
+        for c in (ref, sd):
+            c.add(taps[:, start : start + n_new])
+        start += n_new
+        bonus = int(torch.randint(4, tm.vocab_size, (1,), generator=g))
+        assert _rel(sd.block_logits(bonus, start), ref.block_logits(bonus, start)) < 1e-5
+
+
+def test_buckets_and_errors():
+    assert verify_buckets(16, [16, 64]) == (1, 16, 17, 65)
+    assert verify_buckets(None, []) == (1,)
+    tm = tiny_target(seed=6)
+    d = tiny_drafter(tm, seed=6)
+    eng = CapturedEngine(tm, 100, verify_buckets(d.cfg.block_size, [16]), drafter=d)
+    assert eng.capacity == 128  # rounded up to the alignment
+    assert eng.bucket_for(1) == 1 and eng.bucket_for(5) == d.cfg.block_size and eng.bucket_for(17) == 17
+    with pytest.raises(BucketError, match="largest captured bucket 17"):
+        eng.bucket_for(18)
+    p = prompt(tm.vocab_size, 9)
+    with pytest.raises(BucketError, match=r"budget 64\) is not a captured bucket"):
+        generate(tm, make_method("ddtree", tm, d, 64), p, 8, engine=eng)
+    with pytest.raises(CapacityError, match="longer than the fixed capacity"):
+        generate(tm, None, prompt(tm.vocab_size, 129), 8, engine=eng)
+    with pytest.raises(CapacityError, match="exceed the fixed capacity"):
+        generate(tm, make_method("ddtree", tm, d, 16), p, 110, engine=eng)
+    assert generate(tm, make_method("ddtree", tm, d, 16), p, 8, engine=eng).tokens == generate(tm, None, p, 8).tokens
+
+
+def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
+    from draftforge.errors import StageError
+    from draftforge.evaluate.config import EvaluateConfig
+    from draftforge.evaluate.runner import method_plan
+    from draftforge.evaluate.stage import captured_engine
+
+    tm = tiny_target(seed=7)
+    d = tiny_drafter(tm, seed=7)
+    plan = method_plan(["ar", "dflash", "ddtree"], [4, 16])
+    assert captured_engine(EvaluateConfig(), tm, d, plan) is None  # default: eager
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, plan)
+    assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
+    with pytest.raises(StageError, match="evaluate.engine"):
+        captured_engine(EvaluateConfig(engine="graph"), tm, d, plan)

@@ -1,0 +1,54 @@
+"""Curate and evaluate apply the same hold-out rules: a change planted in `draftforge.holdout` moves both."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftforge import holdout
+from draftforge.curate.config import SourceConfig
+from draftforge.curate.packaged import iter_chitchat, iter_gsm_symbolic
+from draftforge.curate.schema import Drop, Row
+from draftforge.errors import StageError
+from draftforge.evaluate.config import EvaluateConfig
+from draftforge.evaluate.prompts import chitchat_prompts, gsm_symbolic_prompts
+
+
+def test_planted_chitchat_rule_is_seen_by_curate_and_evaluate(monkeypatch: pytest.MonkeyPatch) -> None:
+    ev = EvaluateConfig(datasets=["chitchat"])
+    src = SourceConfig(name="chitchat", kind="chitchat")
+    every_id = [item.id.split(":", 1)[1] for item in iter_chitchat(src, 1, ev) if isinstance(item, Row)]
+    planted = set(sorted(every_id)[:5])
+    monkeypatch.setattr(holdout, "chitchat_is_heldout", lambda conv_id, per_10k: conv_id in planted)
+
+    items = list(iter_chitchat(src, 1, ev))
+    dropped = [i for i in items if isinstance(i, Drop) and i.reason == "eval_holdout"]
+    kept = {i.id.split(":", 1)[1] for i in items if isinstance(i, Row)}
+    assert len(dropped) == len(planted) and not kept & planted  # curate drops exactly the planted ids
+    prompts = chitchat_prompts(ev)
+    assert 0 < len(prompts) <= len(planted)  # evaluate draws only from them
+
+
+def test_planted_gsm_range_is_seen_by_curate_and_evaluate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(holdout, "gsm_symbolic_seed_range", lambda ev: range(5, 8))
+    ev = EvaluateConfig(datasets=["gsm_symbolic"])
+    with pytest.raises(StageError, match=r"overlap the evaluation seeds \[5, 8\)"):
+        next(iter_gsm_symbolic(SourceConfig(name="gsm", kind="gsm_symbolic", options={"seed": 0, "size": 10}), 1, ev))
+    ours = [p[0]["content"] for p in gsm_symbolic_prompts(ev)]
+    monkeypatch.undo()
+    theirs = [r.messages[0]["content"] for r in iter_gsm_symbolic(
+        SourceConfig(name="gsm", kind="gsm_symbolic", options={"seed": 5, "size": 3}), 1, EvaluateConfig())]  # fmt: skip
+    assert len(ours) == 3 and ours == theirs  # evaluate's prompts are the items of seeds 5..7
+
+
+def test_chitchat_heldout_is_a_deterministic_hash_bucket() -> None:
+    ids = [f"conv-{i}" for i in range(20000)]
+    held = [i for i in ids if holdout.chitchat_is_heldout(i, 300)]
+    assert 0.02 < len(held) / len(ids) < 0.04
+    assert not any(holdout.chitchat_is_heldout(i, 0) for i in ids[:100])
+
+
+def test_gsm_seed_ranges() -> None:
+    ev = EvaluateConfig()
+    assert holdout.gsm_symbolic_seed_range(ev) == range(ev.gsm_symbolic.seed, ev.gsm_symbolic.seed + ev.gsm_symbolic.size)
+    assert holdout.seed_ranges_overlap(range(0, 10), range(9, 12))
+    assert not holdout.seed_ranges_overlap(range(0, 10), range(10, 12))
