@@ -23,6 +23,7 @@ class Row(TypedDict, total=False):
     lossless_mismatches: Optional[int]  # T = 0: responses whose tokens differ from AR's
     status: str  # "ok", "skipped" or "failed"
     reason: Optional[str]
+    mtp_source: Optional[str]  # method mtp: "native" (the target's MTP layers) or "trained" (train/mtp)
 
 
 # The shared keys in summary.csv column order.

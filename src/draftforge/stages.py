@@ -26,9 +26,10 @@ STAGE_TABLE: tuple[Stage, ...] = (
     Stage("target", "target.json", (), ("target",)),
     # curate decontaminates training data against the evaluation prompt sets
     Stage("curate", "manifest.json", ("target",), ("target", "curate", *PROMPT_KEYS)),
-    # extract also stores the target's last layer when the train objective needs it (train.config.needs_last_layer)
+    # extract also stores the target's last layer when the train objective or the MTP head needs it
+    # (train.config.needs_last_layer)
     Stage("extract", "index.json", ("target", "curate"),
-          ("target", "extract", "train.drafter_type", "train.loss_kl", "train.loss_tv")),  # fmt: skip
+          ("target", "extract", "train.drafter_type", "train.loss_kl", "train.loss_tv", "train.mtp")),  # fmt: skip
     # train.features=online plans the curate shards as extract does: extract's plan keys are train's too
     Stage("train", "metrics.json", ("target", "extract"),
           ("target", "train", "extract.max_seq_len", "extract.tokens_per_shard", "extract.seqs_per_shard",

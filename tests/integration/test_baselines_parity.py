@@ -87,7 +87,8 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
         f"experiment={EXP}", f"results_root={root}", "target=tiny-random", "tracking.enabled=false",
         "baselines.datasets=[humaneval]", "baselines.num_prompts=1", f"baselines.max_new_tokens={n_new}",
         "baselines.ignore_eos=true", "baselines.kv_cache_gib=0.0625", "baselines.methods.ngram.enabled=false",
-        "baselines.methods.mtp.enabled=false", f"baselines.methods.dflash.model={drafter_dir}"])  # fmt: skip
+        "baselines.methods.mtp.enabled=false", "baselines.methods.dspark.enabled=false",
+        f"baselines.methods.dflash.model={drafter_dir}"])  # fmt: skip
     marker = json.loads((root / EXP / "baselines" / "baselines.json").read_text())
     rows = {r["method"]: r for r in marker["rows"]}
     assert rows["dflash"]["status"] == "ok" and rows["dflash"]["lossless_mismatches"] == 0

@@ -113,7 +113,8 @@ def test_mtp_real_engine(tmp_path):
     info = _target(tmp_path / "results", target_dir, "mimo-mtp")
     assert info["mtp_layers"] == 1 and info["architecture"] == "MiMoForCausalLM"
     marker = _run(tmp_path / "results", ["baselines.methods.ngram.enabled=false", "baselines.methods.dflash.enabled=false",
-                                         "tracking.enabled=false", "baselines.concurrency=[2]"])  # fmt: skip
+                                         "baselines.methods.dspark.enabled=false", "tracking.enabled=false",
+                                         "baselines.concurrency=[2]"])  # fmt: skip
     assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "mtp": "ok"}, marker["methods"]
     rec = marker["_records"]["mtp"]
     assert rec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}

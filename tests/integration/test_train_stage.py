@@ -91,6 +91,45 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
 
 
+def _with_last(info, items):
+    """items + the target's final-normed last layer (extract's `last_hidden`) as a 4th element."""
+    import torch
+
+    from train_fixtures import load_target
+
+    model = load_target(info)
+    out = []
+    for ids, mask, taps in items:
+        with torch.no_grad():
+            out.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
+    return out
+
+
+def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
+    """train.mtp=true: features carry `last_hidden` (the final-normed last layer); the stage also trains an
+    MTP head and exports it in vLLM's MiMo MTP format (train/mtp/), loadable as the engine's head. Without
+    `last_hidden`: one StageError naming the switch; with train.features=online: one StageError."""
+    from draftforge.drafter.mtp import load_mtp_head
+
+    mtp_args = [PY, "-m", "draftforge.train", "train.max_steps=2", "train.mtp=true", "train.mtp_steps=6",
+                "train.mtp_eval_every=3", "train.mtp_rows=16"]
+    _world(tmp_path, tiny_target_info, items)
+    bad = _run(mtp_args, tmp_path)
+    assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1], bad.stderr[-2000:]
+    online = _run(mtp_args + ["train.features=online"], tmp_path)
+    assert online.returncode == 2 and "train.features=online" in online.stderr.strip().splitlines()[-1], online.stderr[-2000:]
+    _world(tmp_path, tiny_target_info, _with_last(tiny_target_info, items))
+    proc = _run(mtp_args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train"
+    mtp = json.loads((out / "metrics.json").read_text())["mtp"]
+    assert mtp["steps"] == 6 and [e["step"] for e in mtp["val_curve"]] == [3, 6] and mtp["format"] == "mimo"
+    cfg = json.loads((out / "mtp" / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    head = load_mtp_head(out / "mtp")
+    assert head.source == "trained" and head.form == "mimo" and head.hidden_size == tiny_target_info["hidden_size"]
+
+
 def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
     """train.drafter_type=dspark on features with the target's last layer → a DSpark export with analytic metrics;
     the same features without the last layer → one StageError naming the switch."""

@@ -202,6 +202,32 @@ def test_prompts_rendered_with_chat_template(tiny_target_info):
         render_sets(tok, {"s": [[{"role": "assistant", "content": "x"}]]})
 
 
+def test_mtp_spec_native_or_trained(tmp_path):
+    """mtp: native layers → vLLM's own MTP; else the train stage's head in MiMo format as the draft model,
+    with the target's config given one MTP layer; neither → a recorded skip naming train.mtp."""
+    import json
+
+    from draftforge.baselines.spec import worker_spec
+
+    cfg = plain_cfg()
+    native = plan_method("mtp", cfg.methods.mtp, {**INFO, "mtp_layers": 1}, None, trained_mtp_dir=tmp_path / "absent")
+    assert native.source == "native" and native.llm_overrides is None
+    skip = plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=tmp_path / "absent")
+    assert "train.mtp=false" in skip.skip_reason
+    head = tmp_path / "mtp"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"], "hidden_size": 128}))
+    trained = plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=head)
+    assert trained.source == "trained" and trained.draft_model == str(head.resolve())
+    assert trained.speculative_config == {"method": "mtp", "model": str(head.resolve()), "num_speculative_tokens": 3}
+    settings = __import__("types").SimpleNamespace(llm_kwargs=lambda: {"dtype": "float32"})
+    spec = worker_spec(trained, INFO, settings, [], 8, cfg)
+    assert spec["llm_kwargs"] == {"dtype": "float32", "hf_overrides": {"num_nextn_predict_layers": 1}}
+    (head / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 128}))
+    with pytest.raises(StageError, match="baselines.methods.mtp.model"):
+        plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=head)
+
+
 def test_dspark_plan_skips_with_the_exact_reason(tmp_path):
     """A DFlash drafter → skip naming it; a DSpark drafter on CPU → vLLM's own refusal; on CUDA → the spec."""
     import torch

@@ -50,3 +50,27 @@ def test_aggregate_definitions():
     assert rows["dflash"]["lossless_mismatches"] == 1 and rows["dflash"]["mismatch_positions"] == [2]
     assert rows["ar"]["tokens_per_s"] == pytest.approx(10.0)
     assert first_mismatch([1, 2], [1, 2, 3]) == 2 and first_mismatch([1], [1]) is None
+
+
+def test_mtp_method_trained_head_and_missing_head(tmp_path, capsys):
+    """`mtp` in evaluate.methods: one clear error line without a head; with the train stage's trained
+    head (train/mtp) the rows carry MTP, lossless at T=0, named by their source."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+    from evaluate_fixtures import tiny_pipeline
+
+    info = tiny_pipeline(tmp_path)
+    args = _args(tmp_path, "evaluate.methods=[ar,mtp]", "evaluate.mtp_drafts=2", "evaluate.datasets=[chitchat]")
+    with pytest.raises(SystemExit):
+        run_stage("evaluate", main, argv=args)
+    assert "evaluate.methods: 'mtp' needs an MTP head" in capsys.readouterr().err
+    head, _ = new_trained_head(info["hf_path"])
+    export_mimo_head(head, tmp_path / "smoke" / "train" / "mtp", info["hf_path"], dtype=__import__("torch").float32)
+    run_stage("evaluate", main, argv=args)
+    rows = json.loads((tmp_path / "smoke" / "evaluate" / "evaluate.json").read_text())["rows"]
+    mtp = [r for r in rows if r["method"] == "mtp"]
+    assert [r["method"] for r in rows] == ["ar", "mtp"] and mtp[0]["mtp_source"] == "trained"
+    assert mtp[0]["lossless_mismatches"] == 0 and mtp[0]["tau"] >= 1.0

@@ -196,6 +196,19 @@ def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
         _run(tmp_path)
 
 
+def test_train_mtp_stores_the_last_layer(tmp_path, tiny_target_info):
+    """train.mtp=true → the same single last-layer mechanism as DSpark: the taps stay the drafter's and
+    the shards carry `last_hidden` (the final-normed last layer) as the train source's 4th element."""
+    from draftforge.train.features import open_features
+
+    make_experiment(tmp_path, tiny_target_info, {"train": [[20, 30]], "val": [[25]]})
+    index = _run(tmp_path, "train.mtp=true")
+    assert index["target_layer_ids"] == TAPS and index["meta"]["last_hidden"] is True
+    train_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
+    ids, _, taps, last = train_src[0]
+    assert taps.shape == (ids.numel(), 2 * 128) and last.shape == (ids.numel(), 128)
+
+
 def test_last_layer_stored_when_a_dspark_drafter_trains(tmp_path, tiny_target_info):
     """train.drafter_type=dspark → shards carry last_hidden = the final-normed last layer (HF hidden_states[-1]),
     the train source yields it as a 4th element, and the plan key differs from a taps-only run."""

@@ -6,6 +6,7 @@ imports vLLM or torch. Invariants: batch size 1 (max_num_seqs=1), prefix caching
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ class MethodPlan:
     speculative_config: dict[str, Any] | None = None
     skip_reason: str | None = None
     draft_model: str | None = None
+    source: str | None = None  # mtp: "native" (the target's MTP layers) | "trained" (train/mtp)
+    llm_overrides: dict[str, Any] | None = None  # extra vllm.LLM kwargs this method needs
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -103,7 +106,7 @@ def read_drafter_config(drafter_dir: Path, target_info: dict[str, Any]) -> dict[
 
 
 def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_drafter_dir: Path | None,
-                device: str | None = None) -> MethodPlan:
+                device: str | None = None, trained_mtp_dir: Path | None = None) -> MethodPlan:
     """speculative_config for one method, or a skip with its reason."""
     if name not in KNOWN_METHODS:
         raise StageError(f"baselines.methods.{name}: unknown method; known: {', '.join(KNOWN_METHODS)}")
@@ -141,10 +144,7 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
             return MethodPlan(name, spec, skip_reason=DSPARK_CPU_REASON, draft_model=str(drafter_dir.resolve()))
         return MethodPlan(name, spec, draft_model=str(drafter_dir.resolve()))
     if name == "mtp":
-        layers = int(target_info.get("mtp_layers") or 0)
-        if layers <= 0:
-            return MethodPlan(name, skip_reason=f"target {target_info.get('name')!r} has no MTP layers (target.json mtp_layers=0)")
-        return MethodPlan(name, {"method": "mtp", "num_speculative_tokens": int(k or layers)})
+        return plan_mtp(mcfg, target_info, trained_mtp_dir)
     # eagle3
     if not mcfg.model:
         return MethodPlan(name, skip_reason="no EAGLE-3 drafter configured (baselines.methods.eagle3.model)")
@@ -154,13 +154,38 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
     return MethodPlan(name, {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(k or 3)}, draft_model=str(model))
 
 
+def plan_mtp(mcfg: Any, target_info: dict[str, Any], trained_mtp_dir: Path | None) -> MethodPlan:
+    """The target's own MTP layers when it has them; else a trained head in vLLM's MiMo MTP format
+    (baselines.methods.mtp.model, or the train stage's train/mtp) served as a separate draft model,
+    with the target's config told it has one MTP layer (vLLM sizes MTP drafts from the target config)."""
+    from draftforge.drafter.mtp_format import MTP_TARGET_OVERRIDES, TRAINED_DEFAULT_DRAFTS
+
+    k = mcfg.num_speculative_tokens
+    layers = int(target_info.get("mtp_layers") or 0)
+    head = Path(mcfg.model).resolve() if mcfg.model else None
+    if head is None and layers > 0:
+        return MethodPlan("mtp", {"method": "mtp", "num_speculative_tokens": int(k or layers)}, source="native")
+    if head is None and trained_mtp_dir is not None and (trained_mtp_dir / "config.json").is_file():
+        head = trained_mtp_dir.resolve()
+    if head is None:
+        return MethodPlan("mtp", skip_reason=f"target {target_info.get('name')!r} has no MTP layers (target.json "
+                                             "mtp_layers=0) and no trained MTP head (train.mtp=false)")  # fmt: skip
+    if not (head / "config.json").is_file():
+        raise StageError(f"baselines.methods.mtp.model: {head} has no config.json")
+    cfg = json.loads((head / "config.json").read_text())
+    if int(cfg.get("hidden_size", -1)) != int(target_info["hidden_size"]) or "MiMoForCausalLM" not in (cfg.get("architectures") or []):
+        raise StageError(f"baselines.methods.mtp.model: {head} is not a MiMo-format MTP head of width {target_info['hidden_size']}")
+    spec = {"method": "mtp", "model": str(head), "num_speculative_tokens": int(k or TRAINED_DEFAULT_DRAFTS)}
+    return MethodPlan("mtp", spec, draft_model=str(head), source="trained", llm_overrides={"hf_overrides": dict(MTP_TARGET_OVERRIDES)})
+
+
 def worker_spec(plan: MethodPlan, target_info: dict[str, Any], settings: EngineSettings, segments: list[dict[str, Any]],
                 max_new_tokens: int, bcfg: Any) -> dict[str, Any]:  # fmt: skip
     return {
         "method": plan.name,
         "model": str(target_info["hf_path"]),
         "tokenizer": str(target_info["hf_path"]),
-        "llm_kwargs": settings.llm_kwargs(),
+        "llm_kwargs": {**settings.llm_kwargs(), **(plan.llm_overrides or {})},
         "speculative_config": plan.speculative_config,
         "segments": segments,
         "max_new_tokens": int(max_new_tokens),

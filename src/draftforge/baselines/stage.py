@@ -105,6 +105,8 @@ def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: lis
         "status": result.get("status"),
         "reason": result.get("reason"),
         "speculative_config": plan.speculative_config,
+        "mtp_source": plan.source,
+        "llm_overrides": plan.llm_overrides,
         "num_speculative_tokens": plan.num_speculative_tokens,
         "log": str(log_path) if log_path else None,
         "rows": rows,
@@ -130,6 +132,8 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
         for row in record["rows"]:
             tags = {**base_tags, "method": name, "dataset": row["dataset"], "budget": "", "engine": ENGINE,
                     "temperature": row["temperature"], "status": row["status"]}  # fmt: skip
+            if row.get("mtp_source"):
+                tags["mtp_source"] = row["mtp_source"]
             if row.get("reason"):
                 tags["reason"] = str(row["reason"])[:4000]
             params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
@@ -151,8 +155,10 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
+    mtp_dir = ctx.input_dir("train") / "mtp" if "mtp" in names else None  # a trained head, when train made one
     device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
-    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device) for name in names}
+    plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device, trained_mtp_dir=mtp_dir)
+             for name in names}
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
@@ -183,6 +189,10 @@ def main(ctx: Any) -> None:
     sweep = run_concurrency_sweep(ctx, names, plans, results, info, settings, segments, max_new, env)
 
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
+    for name in names:
+        if plans[name].source:  # mtp: "native" | "trained"
+            for row in rows_by_method[name]:
+                row["mtp_source"] = plans[name].source
     all_rows = [row for name in names for row in rows_by_method[name]]
     for row in all_rows:  # which drafter a row used (the report's `drafter` column)
         row["drafter"] = row["method"] if row["method"] in ("dflash", "dspark") else None

@@ -114,7 +114,8 @@ def verify_round(tm: TargetModel, state: TargetState, method: Method, drafted: A
     else:
         state.commit(path)
     rows = torch.tensor(path, device=tm.device, dtype=torch.long)
-    method.observe(Features(taps[:, rows] if taps is not None else None, h[:, rows]))
+    ids = torch.tensor([[tree.tokens[i] for i in path]])  # committed tokens, on the host (methods read them as ints)
+    method.observe(Features(taps[:, rows] if taps is not None else None, h[:, rows], ids))
     timer.lap("commit")
     return Round([tree.tokens[i] for i in path], post[path[-1]])
 
@@ -144,7 +145,7 @@ def generate(tm: TargetModel, method: Method | None, prompt_ids: Sequence[int], 
     t1 = clock.now()
     drafted = None
     if method is not None:
-        method.begin(Features(taps, h))
+        method.begin(Features(taps, h, torch.tensor([list(prompt_ids)])))
         drafted = method.draft(bonus, state.length) if not out.done else None
     t2 = clock.now()
     res = GenResult(method.name if method else "ar", [], len(prompt_ids), ttft_s=t1 - t0, decode_s=0.0,

@@ -28,6 +28,7 @@ class Features:
 
     taps: torch.Tensor | None  # (1, n, n_taps*H) tapped layer outputs, tap order
     hidden: torch.Tensor  # (1, n, H) final-normed last-layer states
+    ids: torch.Tensor | None = None  # (1, n) the committed tokens these rows belong to
 
 
 class Method(Protocol):
@@ -118,7 +119,9 @@ class DDTree(DFlashChain):
         return build_tree(bonus, logp, toks, self.budget)
 
 
-METHODS: dict[str, Callable[..., Method]] = {"dflash": DFlashChain, "ddtree": DDTree}
+from draftforge.engine.mtp import MTPChain  # noqa: E402
+
+METHODS: dict[str, Callable[..., Method]] = {"dflash": DFlashChain, "ddtree": DDTree, "mtp": MTPChain}
 
 
 def make_method(name: str, tm: TargetModel, drafter: Any = None, budget: int | None = None) -> Method | None:

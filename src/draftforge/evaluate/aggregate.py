@@ -43,7 +43,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
                  for r in records if r["method"] == "ar"}
     ar_tpot = {(d, t): _mean([r["tpot_s"] for r in rs]) for (d, t, m, _), rs in groups.items() if m == "ar"}
     rows: list[Row] = []
-    order = {"ar": 0, "dflash": 1, "dspark": 2, "ddtree": 3, "ddtree_markov": 4}  # chains, then trees by budget
+    order = {"ar": 0, "mtp": 1, "dflash": 2, "dspark": 3, "ddtree": 4, "ddtree_markov": 5}  # chains, then trees by budget
     for (dataset, temp, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
@@ -78,6 +78,8 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
             overhead_pct=100.0 * overhead / round_ms if round_ms and method != "ar" else None,
             draft_prefill_ms=_ms(_mean([r["draft_prefill_s"] for r in rs])) if method != "ar" else None,
         ))  # fmt: skip
+        if method == "mtp":
+            rows[-1]["mtp_source"] = rs[0].get("mtp_source")
     mark_best(rows)
     return rows
 

@@ -49,6 +49,7 @@ class EvaluateConfig:
     temperatures: List[float] = field(default_factory=lambda: [0.0])
     methods: List[str] = field(default_factory=lambda: ["ar", "dflash", "ddtree"])
     budgets: List[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024])
+    mtp_drafts: int = 3  # draft tokens per round of the `mtp` method (the MTP layer applied recursively)
     gpus: int = 0  # 0 = CPU; N = one model copy per GPU rank (torchrun --nproc_per_node N)
     warmup: int = 1  # prompts run (and discarded) per method before measuring
     seed: int = 0  # sampling seed at T > 0 (per prompt: seed + prompt index)
@@ -72,4 +73,5 @@ class EvaluateConfig:
         check(self.num_prompts >= 0, "evaluate.num_prompts", f"{self.num_prompts} must be >= 0 (0 = all)")
         check(self.gpus >= 0, "evaluate.gpus", f"{self.gpus} must be >= 0")
         check(self.warmup >= 0, "evaluate.warmup", f"{self.warmup} must be >= 0")
+        check(self.mtp_drafts >= 1, "evaluate.mtp_drafts", f"{self.mtp_drafts} must be >= 1")
         check(self.dtype in COMPUTE_DTYPES, "evaluate.dtype", f"{self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")

@@ -33,6 +33,11 @@ class EngineSet:
     eos_ids: list[int]
     max_new_tokens: int
     engine: Any = None  # graph.CapturedEngine (evaluate.engine = captured) | None (eager)
+    mtp: Any = None  # MTPHead (native or trained) for the `mtp` method
+
+    def drafter_for(self, name: str) -> Any:
+        """What `make_method` gets as the drafter: the MTP head for `mtp`, the DFlash drafter otherwise."""
+        return self.mtp if name == "mtp" else self.drafter
 
 
 def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCfg]:
@@ -71,7 +76,7 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
     gen = None
     if temperature > 0:
         gen = torch.Generator(device=es.tm.device).manual_seed(seed)
-    method = make_method(name, es.tm, es.drafter, budget)
+    method = make_method(name, es.tm, es.drafter_for(name), budget)
     return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
                     generator=gen, engine=es.engine)
 
@@ -115,6 +120,8 @@ def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Seq
                 res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
                 out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
                                   budget=method[1]))
+                if method[0] == "mtp":  # "native" (the target's MTP layer) or "trained" (train/mtp)
+                    out[-1]["mtp_source"] = getattr(es.mtp, "source", None)
                 if turn + 1 < len(turns):
                     history_extra.append({"role": "assistant",
                                           "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})

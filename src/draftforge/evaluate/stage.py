@@ -53,7 +53,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     from draftforge.target.load import load_target_model, load_tokenizer
 
     drafter = None
-    if any(m != "ar" for m, _ in plan):
+    if any(m not in ("ar", "mtp") for m, _ in plan):
         from draftforge.drafter import load_drafter
 
         ctx.input_marker("train")
@@ -72,8 +72,31 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     except ValueError as exc:
         raise StageError(f"{info['hf_path']}: {exc}") from None
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
+    head = load_mtp(ctx, cfg, info, device, dtype) if any(m == "mtp" for m, _ in plan) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
-                     engine=captured_engine(cfg, tm, drafter, plan))
+                     engine=captured_engine(cfg, tm, drafter, plan), mtp=head)
+
+
+def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
+    """The `mtp` method's head: the target's own MTP layer when it has one, else the train stage's
+    trained head (train/mtp); a clear error when neither exists."""
+    from draftforge.drafter.mtp import load_mtp_head
+
+    if int(info.get("mtp_layers") or 0) > 0:
+        where, source = info["hf_path"], "native"
+    else:
+        where, source = ctx.input_dir("train") / "mtp", "trained"
+        if not (where / "config.json").is_file():
+            raise StageError(f"evaluate.methods: 'mtp' needs an MTP head: target {info.get('name')!r} has no MTP "
+                             f"layers and {where} does not exist (train with train.mtp=true)")
+    try:
+        head = load_mtp_head(where, source=source, dtype=dtype, device=device)
+    except ValueError as exc:
+        raise StageError(f"evaluate.methods: 'mtp': {exc}") from None
+    if head.hidden_size != int(info["hidden_size"]):
+        raise StageError(f"{where}: MTP head width {head.hidden_size} != target hidden_size {info['hidden_size']}")
+    head.num_drafts = int(cfg.mtp_drafts)
+    return head
 
 
 def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
@@ -86,6 +109,8 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
 
     block = drafter.cfg.block_size if drafter is not None else None
     budgets = [b for _, b in plan if b is not None]  # tree methods: one bucket per budget + 1
+    if any(m == "mtp" for m, _ in plan):  # the MTP chain verifies mtp_drafts + 1 rows
+        budgets.append(int(cfg.mtp_drafts))
     try:
         eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter)
     except ValueError as exc:
@@ -182,6 +207,8 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
                 "engine": "draftforge", "temperature": row["temperature"]}
         if row["method"] in ("ddtree", "ddtree_markov"):
             tags["best_budget"] = row.get("best_budget", False)
+        if row.get("mtp_source"):
+            tags["mtp_source"] = row["mtp_source"]
         name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
             metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar",

@@ -1,4 +1,5 @@
-"""Train/serve parity: vLLM-DFlash τ beside the standalone engine's DFlash τ, same prompts, T = 0.
+"""Train/serve parity: vLLM τ beside the standalone engine's τ of one method, same prompts, T = 0 —
+`dflash` (our drafter) and `mtp` (the MTP head, native or trained).
 
 Computed here, in `report` (the one stage that declares both `evaluate` and `baselines` as inputs), over
 the rows `report.rows.collect_rows` joined: a changed evaluate or baselines result always reruns it.
@@ -10,20 +11,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _dflash_at_t0(rows: Sequence[Mapping[str, Any]], engine: str) -> dict[str, Mapping[str, Any]]:
-    """The first DFlash row at T = 0 with a τ, per dataset, of one engine."""
+def _method_at_t0(rows: Sequence[Mapping[str, Any]], engine: str, method: str) -> dict[str, Mapping[str, Any]]:
+    """The first row of `method` at T = 0 with a τ, per dataset, of one engine."""
     found: dict[str, Mapping[str, Any]] = {}
     for row in rows:
-        if row.get("engine") != engine or row.get("method") != "dflash" or row.get("tau") is None:
+        if row.get("engine") != engine or row.get("method") != method or row.get("tau") is None:
             continue
         if float(row.get("temperature") or 0.0) == 0.0:
             found.setdefault(str(row.get("dataset")), row)
     return found
 
 
-def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float) -> dict[str, Any]:
-    """Per dataset |τ_vllm − τ_standalone| / τ_standalone against `tolerance`; `all_within` over the checked."""
-    ours, vllm = _dflash_at_t0(rows, "draftforge"), _dflash_at_t0(rows, "vllm")
+def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: str = "dflash") -> dict[str, Any]:
+    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` against `tolerance`; `all_within` over
+    the checked."""
+    ours, vllm = _method_at_t0(rows, "draftforge", method), _method_at_t0(rows, "vllm", method)
     block: dict[str, Any] = {"tolerance": tolerance, "datasets": {}, "all_within": None}
     for dataset in sorted(set(ours) | set(vllm)):
         mine, theirs = vllm.get(dataset), ours.get(dataset)
@@ -44,5 +46,6 @@ def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float) -> dict[st
     if checked:
         block["all_within"] = all(checked)
     else:
-        block["reason"] = "no dataset has both a vLLM-DFlash τ and a standalone DFlash τ at T=0"
+        name = "DFlash" if method == "dflash" else method
+        block["reason"] = f"no dataset has both a vLLM {name} τ and a standalone {name} τ at T=0"
     return block

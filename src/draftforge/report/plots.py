@@ -22,8 +22,10 @@ def _save(fig, path: Path) -> Path:
 
 
 def _label(row: dict[str, Any]) -> str:
+    from draftforge.report.rows import method_label
+
     budget = f"@{row['budget']}" if row.get("budget") not in (None, "", 0) else ""
-    return f"{row['engine']}:{row['method']}{budget}"
+    return f"{row['engine']}:{method_label(row)}{budget}"
 
 
 def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -46,8 +48,13 @@ def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
 def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     series: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     chain: dict[str, float] = {}
+    mtp: dict[str, list[tuple[str, float, float]]] = defaultdict(list)  # dataset → (label, τ, speedup)
     for r in rows:
-        if r.get("status", "ok") != "ok" or r["engine"] != "draftforge":
+        if r.get("status", "ok") != "ok":
+            continue
+        if r["method"] == "mtp" and r.get("tau") is not None:
+            mtp[str(r.get("dataset"))].append((_label(r), float(r["tau"]), float(r.get("speedup_vs_ar") or 0)))
+        if r["engine"] != "draftforge":
             continue
         if r["method"] in ("ddtree", "ddtree_markov") and r.get("budget"):
             key = str(r.get("dataset")) + ("" if r["method"] == "ddtree" else " (ddtree_markov)")
@@ -62,7 +69,12 @@ def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
         if dataset in chain:
             ax_tau.axhline(chain[dataset], color=line.get_color(), linestyle="--", linewidth=0.8)
         ax_speed.plot(budgets, [p[2] for p in points], marker="o", label=dataset)
-    for ax, ylabel in ((ax_tau, "τ (tokens per verify; dashed: DFlash chain)"), (ax_speed, "speedup vs AR (TPOT ratio)")):
+        for i, (label, tau, speed) in enumerate(sorted(mtp.get(dataset, []))):  # MTP: one level line per engine
+            style = (":", "-.")[i % 2]
+            ax_tau.axhline(tau, color=line.get_color(), linestyle=style, linewidth=1.0, label=f"{dataset} {label}")
+            ax_speed.axhline(speed, color=line.get_color(), linestyle=style, linewidth=1.0, label=f"{dataset} {label}")
+    for ax, ylabel in ((ax_tau, "τ (tokens per verify; dashed: DFlash chain, dotted: MTP)"),
+                       (ax_speed, "speedup vs AR (TPOT ratio; dotted: MTP)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("DDTree node budget")
         ax.set_ylabel(ylabel)

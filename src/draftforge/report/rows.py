@@ -53,6 +53,30 @@ def best_ddtree(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def method_label(row: dict[str, Any]) -> str:
+    """The method as the report names it: MTP rows say whose MTP layer ran ("mtp (native)" / "mtp (trained)")."""
+    source = row.get("mtp_source")
+    return f"{row['method']} ({source})" if row.get("method") == "mtp" and source else str(row["method"])
+
+
+def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per dataset: best-budget DDTree tokens/s (standalone engine) ÷ MTP tokens/s in each engine
+    ({dataset: {"ddtree_tokens_per_s", "mtp": {engine: {"label", "tokens_per_s", "ratio"}}}}), T = 0 rows."""
+    best = best_ddtree([r for r in rows if _num(r.get("temperature"), 0.0) == 0.0])
+    out: dict[str, dict[str, Any]] = {}
+    for dataset, d in sorted(best.items()):
+        entry: dict[str, Any] = {"ddtree_tokens_per_s": d.get("tokens_per_s"), "mtp": {}}
+        for r in rows:
+            if r.get("dataset") != dataset or r["method"] != "mtp" or r.get("status", "ok") != "ok":
+                continue
+            if _num(r.get("temperature"), 0.0) != 0.0 or not _num(r.get("tokens_per_s"), 0):
+                continue
+            ratio = _num(d.get("tokens_per_s"), math.nan) / _num(r["tokens_per_s"])
+            entry["mtp"][r["engine"]] = {"label": method_label(r), "tokens_per_s": r["tokens_per_s"], "ratio": ratio}
+        out[dataset] = entry
+    return out
+
+
 def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return ""

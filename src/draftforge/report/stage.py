@@ -12,7 +12,7 @@ from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import mlflow_uri
 from draftforge.report import plots
 from draftforge.report.parity import parity_block
-from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, fmt
+from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, fmt, method_label, vs_mtp
 from draftforge.tracking import experiment_name, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def summary_csv(rows: list[dict[str, Any]]) -> str:
     writer = csv.DictWriter(buf, fieldnames=list(COLUMNS), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({c: row.get(c, "") for c in COLUMNS})
+        writer.writerow({c: (method_label(row) if c == "method" else row.get(c, "")) for c in COLUMNS})
     return buf.getvalue()
 
 
@@ -32,7 +32,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [
-            fmt(r.get("dataset")), r["engine"], r["method"], fmt(r.get("budget")), fmt(r.get("tokens_per_s"), 1),
+            fmt(r.get("dataset")), r["engine"], method_label(r), fmt(r.get("budget")), fmt(r.get("tokens_per_s"), 1),
             fmt(r.get("speedup_vs_ar")), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
             r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else ""),
         ]  # fmt: skip
@@ -86,6 +86,26 @@ def parity_text(parity: dict[str, Any]) -> list[str]:
     return lines
 
 
+def vs_mtp_lines(table: dict[str, dict[str, Any]]) -> list[str]:
+    """The "vs MTP" table: best-budget DDTree tokens/s ÷ MTP tokens/s, per dataset, in each engine."""
+    engines = sorted({e for v in table.values() for e in v["mtp"]})
+    if not engines:
+        return ["- (no MTP rows: the target has no MTP layers and train.mtp=false, or mtp not in evaluate.methods)"]
+    head = ["dataset", "DDTree best tok/s"] + [f"vs MTP ({e}: {_mtp_name(table, e)})" for e in engines]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for dataset, v in table.items():
+        cells = [dataset, fmt(v["ddtree_tokens_per_s"], 1)]
+        for e in engines:
+            m = v["mtp"].get(e)
+            cells.append(f"{m['ratio']:.2f}× ({fmt(m['tokens_per_s'], 1)} tok/s)" if m else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mtp_name(table: dict[str, dict[str, Any]], engine: str) -> str:
+    return next((v["mtp"][engine]["label"] for v in table.values() if engine in v["mtp"]), "mtp")
+
+
 def build_report(ctx) -> dict[str, Any]:
     rows = collect_rows(ctx.input_marker("evaluate"), ctx.input_marker("baselines"))
     target = read_json(ctx.input_marker("target"), what="target.json")
@@ -106,6 +126,13 @@ def build_report(ctx) -> dict[str, Any]:
     ]  # fmt: skip
     parity = parity_block(rows, float(ctx.cfg.report.parity_tolerance))
     parity_lines = parity_text(parity)
+    parity_mtp = parity_block(rows, float(ctx.cfg.report.parity_tolerance), method="mtp")
+    mtp_table = vs_mtp(rows)
+    mtp_train = train.get("mtp") or {}
+    mtp_note = ""
+    if mtp_train:
+        mtp_note = (f" MTP head trained {mtp_train.get('steps', '?')} steps (loss {fmt(mtp_train.get('loss_first'))} → "
+                    f"{fmt(mtp_train.get('loss_last'))}); val simulated τ {fmt((mtp_train.get('best') or {}).get('val_mtp_sim_tau'))}.")
     links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"))
     text = "\n".join([
         f"# draftforge report — experiment `{ctx.experiment}`",
@@ -114,7 +141,7 @@ def build_report(ctx) -> dict[str, Any]:
         f"drafter {target['drafter']['num_layers']} layers, block {target['drafter']['block_size']}, taps {target['drafter']['target_layer_ids']}.",
         f"Training set: {curate.get('counts', {}).get('kept', curate.get('kept', '?'))} conversations. "
         f"Drafter trained {train.get('steps', '?')} steps; val simulated τ {fmt((train.get('best') or {}).get('val_sim_tau'))} "
-        f"({train.get('selected', '?')}).",
+        f"({train.get('selected', '?')}).{mtp_note}",
         "",
         "Speedup = mean TPOT(AR) / mean TPOT(method) within one engine; τ = tokens committed per target verify (bonus included).",
         "The best DDTree budget is chosen on the evaluation data itself (as published numbers do).",
@@ -122,8 +149,15 @@ def build_report(ctx) -> dict[str, Any]:
         "## Best DDTree budget per dataset",
         *(best_lines or ["- (no DDTree rows)"]),
         "",
+        "## DDTree vs MTP (best-budget DDTree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
+        "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
+        *vs_mtp_lines(mtp_table),
+        "",
         "## Train/serve parity (our drafter: vLLM `dflash` vs the standalone DFlash chain, T = 0)",
         *(parity_lines or ["- (needs dflash rows from both engines)"]),
+        "",
+        "## Train/serve parity of the MTP head (vLLM `mtp` vs the standalone `mtp` chain, T = 0)",
+        *(parity_text(parity_mtp) or ["- (needs mtp rows from both engines)"]),
         "",
         "## All runs",
         markdown_table(rows),
@@ -137,7 +171,8 @@ def build_report(ctx) -> dict[str, Any]:
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
     write_json(ctx.out_dir / "parity.json", parity)
-    return {"text": text, "rows": rows, "figures": figures, "parity": parity}
+    write_json(ctx.out_dir / "parity_mtp.json", parity_mtp)
+    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "parity_mtp": parity_mtp, "vs_mtp": mtp_table}
 
 
 def main(ctx) -> None:
@@ -147,6 +182,9 @@ def main(ctx) -> None:
         for dataset, e in (report["parity"].get("datasets") or {}).items():
             if e.get("rel_diff") is not None:
                 run.log_metrics({f"parity_rel_diff_{dataset}": e["rel_diff"]})
+        for dataset, v in report["vs_mtp"].items():
+            for engine, m in v["mtp"].items():
+                run.log_metrics({f"ddtree_vs_mtp_{engine}_{dataset}": m["ratio"]})
         for path in report["figures"].values():
             run.log_artifact(path)
         run.log_artifact(ctx.out_dir / "summary.csv")

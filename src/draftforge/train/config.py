@@ -56,6 +56,17 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
+    # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers, trained after the
+    # drafter from the same features (extract then also stores the final-normed last layer,
+    # `needs_last_layer`). Loss: CE of depths 1..mtp_depth applied recursively, on up to mtp_rows
+    # supervised rows per sequence and depth.
+    mtp: bool = False
+    mtp_steps: int = 2000
+    mtp_lr: float = 1e-3
+    mtp_depth: int = 2
+    mtp_rows: int = 256
+    mtp_val_drafts: int = 3  # val: per-depth accuracy and simulated τ of this many recursive drafts
+    mtp_eval_every: int = 500
 
     # Drafter kind and DSpark heads (the drafter's own config group will own these once it exists).
     drafter_type: str = "dflash"  # dflash | dspark
@@ -84,6 +95,12 @@ class TrainConfig:
         check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
         check(self.drafter_type in ("dflash", "dspark"), "train.drafter_type", f"{self.drafter_type!r}: use dflash or dspark")
         check(self.markov_rank >= 0, "train.markov_rank", f"{self.markov_rank} must be >= 0")
+        check(self.mtp_steps >= 1, "train.mtp_steps", f"{self.mtp_steps} must be >= 1")
+        check(self.mtp_lr > 0, "train.mtp_lr", f"{self.mtp_lr} must be > 0")
+        check(self.mtp_depth >= 1, "train.mtp_depth", f"{self.mtp_depth} must be >= 1")
+        check(self.mtp_rows >= 1, "train.mtp_rows", f"{self.mtp_rows} must be >= 1")
+        check(self.mtp_val_drafts >= 1, "train.mtp_val_drafts", f"{self.mtp_val_drafts} must be >= 1")
+        check(self.mtp_eval_every >= 1, "train.mtp_eval_every", f"{self.mtp_eval_every} must be >= 1")
 
 
 def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:
@@ -99,4 +116,5 @@ def needs_last_layer(cfg: Any) -> bool:
     every consumer: add a condition here rather than a second flag."""
     train = cfg.train
     w = effective_loss_weights(train)
-    return train.drafter_type == "dspark" or w.get("kl", 0) > 0 or w.get("tv", 0) > 0
+    # the trained MTP head (train.mtp) reads the final-normed last layer as its hidden input
+    return train.drafter_type == "dspark" or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or bool(train.mtp)

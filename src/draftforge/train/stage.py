@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
+from draftforge.drafter.mtp import wants_trained_head
 from draftforge.errors import StageError
 from draftforge.extract.preflight import FreeBytes, disk_free, fmt_bytes
 from draftforge.io import sha256_file, sha256_json, write_json
@@ -87,6 +88,10 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     if cfg.features not in FEATURE_MODES:
         raise StageError(f"train.features={cfg.features!r}: use one of {list(FEATURE_MODES)}")
     info = read_target_info(ctx.input_marker("target"))
+    if cfg.features == "online" and wants_trained_head(info, cfg.mtp):
+        raise StageError("train.mtp with train.features=online: the MTP head trains on the target's final-normed "
+                         "last layer, which only the extract stage stores (offline); use train.features=offline "
+                         "or train.mtp=false")
     dcfg = drafter_config(cfg, info)
     if ctx.is_rank0:
         check_disk(ctx, dcfg, cfg, free_bytes)
@@ -130,7 +135,12 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             inputs.logger = run
             result = train(inputs)
             if ctx.is_rank0:
-                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key)
+                mtp = None
+                if wants_trained_head(info, cfg.mtp):
+                    from draftforge.train.mtp import run_mtp_training
+
+                    mtp = run_mtp_training(ctx, cfg, info, device, run)
+                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key, mtp)
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -142,10 +152,12 @@ FEATURE_MODES = ("offline", "online")
 
 # Knobs that do not change what is computed (a resumed run may change them freely).
 _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
-                      "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors")
+                      "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors",
+                      "mtp", "mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
-def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int, resume_key: str) -> None:
+def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int, resume_key: str,
+            mtp: dict[str, Any] | None = None) -> None:
     """Export the selected weights, then write metrics.json (the marker) last."""
     best = load_best(ctx.work_dir / "checkpoints")
     model = result.model
@@ -181,7 +193,10 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "val_curve": [{k: e[k] for k in ("step", "val_loss", "val_acc", "val_sim_tau")} for e in result.evals],
         "train_curve": result.history[:: max(1, len(result.history) // 200)],
         "drafter": dcfg.to_dict(),
+        "mtp": mtp,  # the trained MTP head (train.mtp on, target without MTP layers) or None
     }
+    if mtp and mtp.get("best"):
+        run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
     if result.best:
         run.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})
     write_json(ctx.out_dir / STAGE_MARKERS["train"], metrics)
