@@ -1,4 +1,4 @@
-"""The engine benchmark script keeps running standalone (`--tiny` on CPU) and writes its JSON."""
+"""The engine benchmark script keeps running standalone (`--tiny` on CPU, both engines) and writes its JSON."""
 
 from __future__ import annotations
 
@@ -16,12 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_engine_tree_tiny(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/engine_tree.py"), "--tiny", "--budgets", "16,256"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(REPO / "benchmarks/engine_tree.py"), "--tiny", "--target", "qwen3.6-27b-random",
+           "--verify-budgets", "0,16", "--round-budgets", "16", "--lossless-prompts", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "engine overhead at budget 256" in proc.stdout
-    report = json.loads((tmp_path / "engine_tree.json").read_text())
-    rows = {(r["method"], r["budget"]): r for r in report["rows"]}
-    assert set(rows) == {("dflash", 15), ("ddtree", 16), ("ddtree", 256)}
-    for r in rows.values():
-        assert r["verify"] > 0 and r["round"] >= r["verify"] and 0 <= r["overhead_pct"] < 100
+    report = json.loads((tmp_path / "engine_tree_qwen3.6-27b-random.json").read_text())
+    assert report["hybrid"] and report["lossless"] == {"prompts": 1, "ddtree64_equal_ar": 1, "new_tokens": 32}
+    assert set(report["engines"]) == {"eager", "captured"}
+    for rec in report["engines"].values():
+        assert rec["ar_step_ms"] > 0 and [v["budget"] for v in rec["verify"]] == [0, 16]
+        rows = {(r["method"], r["budget"]): r for r in rec["rounds"]}
+        assert set(rows) == {("dflash", 15), ("ddtree", 16)}  # block 16: 15 drafts
+        for r in rows.values():
+            assert r["verify_ms"] > 0 and r["round_ms"] >= r["verify_ms"] and 0 <= r["overhead_pct"] < 100
+    assert all(0 < s["gdn_share"] < 1 for s in report["engines"]["captured"]["gdn_share"])
