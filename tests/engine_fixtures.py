@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
+
 import torch
 
 from draftforge.drafter.config import DFlashConfig
@@ -63,3 +67,46 @@ def tiny_dspark_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id:
     d.reset_parameters(std=std)
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, 0.0, markov_scale / rank**0.5)
     return d.eval()
+
+
+# ------------------------------------------------------------------ T > 0: sampled tokens vs the exact target law
+def chi2_critical(df: int, z: float) -> float:
+    """Wilson–Hilferty upper quantile of chi-square(df) for a standard-normal quantile z."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def exact_joint(tm: TargetModel, p: list[int], n_tok: int, temperature: float) -> dict[tuple[int, ...], float]:
+    """Exact target distribution of the first n_tok sampled tokens, by enumeration."""
+    V = tm.vocab_size
+    probs: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=n_tok - 1):
+            logits = tm.hf(torch.tensor([p + list(seq)])).logits[0, len(p) - 1 :]  # (n_tok, V)
+            step = torch.softmax(logits.double() / temperature, -1)
+            pre = 1.0
+            for i, t in enumerate(seq):
+                pre *= step[i, t].item()
+            for last in range(V):
+                probs[seq + (last,)] = pre * step[n_tok - 1, last].item()
+    return probs
+
+
+def assert_matches_target_law(counts: Counter, n: int, tm: TargetModel, p: list[int], n_tok: int,
+                              temperature: float) -> None:
+    """Pearson chi-square of n sampled n_tok-prefixes against the exact joint, rejected at α = 1e-3 (z = 3.09);
+    cells with expectation < 5 pooled. Negative control: the same counts against the T = 0.4 joint must be
+    rejected, or the test has no power."""
+
+    def chi2(probs: dict[tuple[int, ...], float]) -> tuple[float, int]:
+        cells = [(counts.get(k, 0), n * q) for k, q in probs.items()]
+        big = [(o, e) for o, e in cells if e >= 5]
+        small_o, small_e = sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5)
+        if small_e > 0:
+            big.append((small_o, small_e))
+        return sum((o - e) ** 2 / e for o, e in big), len(big) - 1
+
+    stat, df = chi2(exact_joint(tm, p, n_tok, temperature))
+    assert stat < chi2_critical(df, 3.09), f"chi2 {stat:.1f} on {df} df"
+    wrong, wdf = chi2(exact_joint(tm, p, n_tok, 0.4))
+    assert wrong > chi2_critical(wdf, 3.09), "negative control not rejected: the test has no power"

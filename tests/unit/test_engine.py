@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,7 +19,7 @@ from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.timing import StageTimer  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
-from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_target  # noqa: E402
+from engine_fixtures import ARCHS, assert_matches_target_law, prompt, tiny_drafter, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -172,28 +170,6 @@ def test_compaction_equals_recomputing_the_accepted_path(arch):
 
 
 # --------------------------------------------------------------------------------- T > 0 distribution
-def _chi2_critical(df: int, z: float) -> float:
-    """Wilson–Hilferty upper quantile of chi-square(df) for a standard-normal quantile z."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + z * math.sqrt(a)) ** 3
-
-
-def _exact_joint(tm, p: list[int], n_tok: int, temperature: float) -> dict[tuple[int, ...], float]:
-    """Exact target distribution of the first n_tok sampled tokens, by enumeration."""
-    V = tm.vocab_size
-    probs: dict[tuple[int, ...], float] = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(V), repeat=n_tok - 1):
-            logits = tm.hf(torch.tensor([p + list(seq)])).logits[0, len(p) - 1 :]  # (n_tok, V)
-            step = torch.softmax(logits.double() / temperature, -1)
-            pre = 1.0
-            for i, t in enumerate(seq):
-                pre *= step[i, t].item()
-            for last in range(V):
-                probs[seq + (last,)] = pre * step[n_tok - 1, last].item()
-    return probs
-
-
 @pytest.mark.parametrize(
     "method,temperature,arch",
     [
@@ -232,15 +208,4 @@ def test_sampling_matches_target_distribution(method, temperature, arch):
         accepted_deep += res.accept_lengths[0] >= 2
     assert accepted_deep > n // 10, "the tree must accept drafted nodes often for this test to mean anything"
 
-    def chi2(probs):
-        cells = [(counts.get(k, 0), n * q) for k, q in probs.items()]
-        big = [(o, e) for o, e in cells if e >= 5]
-        small_o, small_e = sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5)
-        if small_e > 0:
-            big.append((small_o, small_e))
-        return sum((o - e) ** 2 / e for o, e in big), len(big) - 1
-
-    stat, df = chi2(_exact_joint(tm, p, n_tok, temperature))
-    assert stat < _chi2_critical(df, 3.09), f"chi2 {stat:.1f} on {df} df"
-    wrong, wdf = chi2(_exact_joint(tm, p, n_tok, 0.4))
-    assert wrong > _chi2_critical(wdf, 3.09), "negative control not rejected: the test has no power"
+    assert_matches_target_law(counts, n, tm, p, n_tok, temperature)

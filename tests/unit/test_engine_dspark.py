@@ -11,7 +11,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import _chi2_critical, _exact_joint  # noqa: E402
 
 from draftforge.engine import (  # noqa: E402
     generate,
@@ -23,7 +22,14 @@ from draftforge.engine.dspark import build_markov_tree  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
-from engine_fixtures import ARCHS, prompt, tiny_drafter, tiny_dspark_drafter, tiny_target  # noqa: E402
+from engine_fixtures import (  # noqa: E402
+    ARCHS,
+    assert_matches_target_law,
+    prompt,
+    tiny_drafter,
+    tiny_dspark_drafter,
+    tiny_target,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -126,15 +132,4 @@ def test_sampling_matches_target_distribution(method):
         deep += res.accept_lengths[0] >= 2
     assert deep > n // 10
 
-    def chi2(probs):
-        cells = [(counts.get(k, 0), n * q) for k, q in probs.items()]
-        big = [(o, e) for o, e in cells if e >= 5]
-        so, se = sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5)
-        if se > 0:
-            big.append((so, se))
-        return sum((o - e) ** 2 / e for o, e in big), len(big) - 1
-
-    stat, df = chi2(_exact_joint(tm, p, n_tok, 1.0))
-    assert stat < _chi2_critical(df, 3.09), f"chi2 {stat:.1f} on {df} df"
-    wrong, wdf = chi2(_exact_joint(tm, p, n_tok, 0.4))
-    assert wrong > _chi2_critical(wdf, 3.09)
+    assert_matches_target_law(counts, n, tm, p, n_tok, 1.0)

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.drafter.mtp import QWEN3_5_NAMES, MTPHead, load_mtp_head, native_mtp_format, trained_head_config  # noqa: E402
 from draftforge.engine import generate, generate_ar, make_method, wrap_target  # noqa: E402
-from engine_fixtures import prompt, tiny_hybrid_target, tiny_target  # noqa: E402
+from engine_fixtures import assert_matches_target_law, prompt, tiny_hybrid_target, tiny_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -157,7 +157,6 @@ def test_mtp_sampling_matches_target_distribution():
     chi-square vs the exact joint, α = 1e-3, with the negative control of the engine test."""
     from draftforge.target.config import RandomTargetConfig
     from draftforge.target.random import build_random_model
-    from unit.test_engine import _chi2_critical, _exact_joint
 
     spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
@@ -177,18 +176,7 @@ def test_mtp_sampling_matches_target_distribution():
         accepted += res.accept_lengths[0] >= 2
     assert accepted > n // 10, "drafts must be accepted often for this test to mean anything"
 
-    def chi2(probs):
-        cells = [(counts.get(key, 0), n * q) for key, q in probs.items()]
-        big = [(o, e) for o, e in cells if e >= 5]
-        small_o, small_e = sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5)
-        if small_e > 0:
-            big.append((small_o, small_e))
-        return sum((o - e) ** 2 / e for o, e in big), len(big) - 1
-
-    stat, df = chi2(_exact_joint(tm, p, n_tok, 1.0))
-    assert stat < _chi2_critical(df, 3.09), f"chi2 {stat:.1f} on {df} df"
-    wrong, wdf = chi2(_exact_joint(tm, p, n_tok, 0.4))
-    assert wrong > _chi2_critical(wdf, 3.09), "negative control not rejected"
+    assert_matches_target_law(counts, n, tm, p, n_tok, 1.0)
 
 
 def test_recursive_training_rows_match_engine_drafting():
