@@ -6,6 +6,7 @@ import itertools
 import math
 from collections import Counter
 
+import pytest
 import torch
 
 from draftforge.drafter.config import DFlashConfig
@@ -13,6 +14,17 @@ from draftforge.drafter.model import DFlashDrafter
 from draftforge.engine.target import TargetModel, wrap_target
 from draftforge.target.config import RandomTargetConfig
 from draftforge.target.random import build_random_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is ~10x faster than contended multi-threading. Autouse in every
+    module that imports it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")

@@ -18,17 +18,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.engine import generate_ar, generate_ddtree, generate_dflash  # noqa: E402
-from engine_fixtures import prompt, tiny_drafter, tiny_target  # noqa: E402
+from engine_fixtures import (  # noqa: E402
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompt,
+    tiny_drafter,
+    tiny_target,
+)
 
 BLOCK = 6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class _ContextCache:

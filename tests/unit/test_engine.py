@@ -19,16 +19,14 @@ from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.timing import StageTimer  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
-from engine_fixtures import ARCHS, assert_matches_target_law, prompt, tiny_drafter, tiny_target  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is ~10x faster than contended multi-threading."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from engine_fixtures import (  # noqa: E402
+    ARCHS,
+    assert_matches_target_law,
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompt,
+    tiny_drafter,
+    tiny_target,
+)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

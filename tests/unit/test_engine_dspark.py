@@ -25,19 +25,12 @@ from draftforge.target.random import build_random_model  # noqa: E402
 from engine_fixtures import (  # noqa: E402
     ARCHS,
     assert_matches_target_law,
+    one_thread,  # noqa: F401  (autouse fixture)
     prompt,
     tiny_drafter,
     tiny_dspark_drafter,
     tiny_target,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("seed", range(5))

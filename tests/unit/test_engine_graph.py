@@ -17,15 +17,13 @@ from draftforge.engine.methods import DrafterContext  # noqa: E402
 from draftforge.engine.span import chain_span  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
-from engine_fixtures import prompt, tiny_drafter, tiny_hybrid_target, tiny_target  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from engine_fixtures import (  # noqa: E402
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompt,
+    tiny_drafter,
+    tiny_hybrid_target,
+    tiny_target,
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,15 +20,13 @@ from draftforge.engine.span import chain_span, tree_span  # noqa: E402
 from draftforge.engine.state import TargetState  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
-from engine_fixtures import HYBRID_ARCHS, prompt, tiny_drafter, tiny_hybrid_target  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from engine_fixtures import (  # noqa: E402
+    HYBRID_ARCHS,
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompt,
+    tiny_drafter,
+    tiny_hybrid_target,
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,15 +13,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.drafter.mtp import QWEN3_5_NAMES, MTPHead, load_mtp_head, native_mtp_format, trained_head_config  # noqa: E402
 from draftforge.engine import generate, generate_ar, make_method, wrap_target  # noqa: E402
-from engine_fixtures import assert_matches_target_law, prompt, tiny_hybrid_target, tiny_target  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from engine_fixtures import (  # noqa: E402
+    assert_matches_target_law,
+    one_thread,  # noqa: F401  (autouse fixture)
+    prompt,
+    tiny_hybrid_target,
+    tiny_target,
+)
 
 
 def random_head(tm, seed: int = 0, std: float = 0.2) -> MTPHead:
