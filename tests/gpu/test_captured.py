@@ -16,14 +16,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BUDGETS = (1, 16, 64, 256)
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 def _setup(arch: str, dtype: torch.dtype, seed: int = 0):
     from draftforge.engine.graph import CapturedEngine, verify_buckets
     from engine_fixtures import tiny_drafter, tiny_hybrid_target, tiny_target

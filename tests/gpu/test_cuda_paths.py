@@ -15,15 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    """fp32 on the GPU must mean fp32: TF32 matmuls would turn greedy ties into mismatches."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 def _target_and_drafter(arch: str, dtype: torch.dtype, seed: int = 0):
     from draftforge.engine import wrap_target
     from draftforge.target.config import RandomTargetConfig
