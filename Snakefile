@@ -5,6 +5,7 @@
 # Snakemake owns paths, scheduling and resources; Hydra (conf/) owns what each stage computes.
 # Import-light: no torch here.
 
+import re
 import sys
 from pathlib import Path
 

@@ -21,7 +21,7 @@ from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
 from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
-from draftforge.stages import stage_inputs
+from draftforge.stages import PER_DRAFTER, stage_inputs
 
 log = logging.getLogger("draftforge")
 
@@ -38,16 +38,21 @@ class StageContext:
     local_rank: int = 0
     params: dict[str, Any] = field(default_factory=dict)
     config_hash: str = ""
+    drafter: str | None = None  # the branch of a per-drafter stage (cfg.drafter.name); None for the others
 
-    def input_dir(self, stage: str) -> Path:
-        return stage_dir(self.results_root, self.experiment, stage)
+    def input_dir(self, stage: str, drafter: str | None = None) -> Path:
+        """An upstream stage's folder; a per-drafter stage's is this branch's unless `drafter` names another."""
+        return stage_dir(self.results_root, self.experiment, stage, self._branch_of(stage, drafter))
 
-    def input_marker(self, stage: str) -> Path:
+    def input_marker(self, stage: str, drafter: str | None = None) -> Path:
         """The upstream stage's marker file; a clear error if that stage has not finished."""
-        path = stage_marker(self.results_root, self.experiment, stage)
+        path = stage_marker(self.results_root, self.experiment, stage, self._branch_of(stage, drafter))
         if not path.is_file():
             raise StageError(f"{path}: missing; run the `{stage}` stage first (snakemake --until {stage})")
         return path
+
+    def _branch_of(self, stage: str, drafter: str | None) -> str | None:
+        return (drafter or self.drafter or str(self.cfg.drafter.name)) if stage in PER_DRAFTER else None
 
     @property
     def is_rank0(self) -> bool:
@@ -61,7 +66,8 @@ class StageContext:
             stage=self.stage,
             uri=self.cfg.tracking.uri,
             enabled=self.cfg.tracking.enabled,
-            tags={"config_hash": self.config_hash, "git_sha": git_state()["sha"], "target": self.cfg.target.name},
+            tags={"config_hash": self.config_hash, "git_sha": git_state()["sha"], "target": self.cfg.target.name,
+                  **({"drafter": self.drafter} if self.drafter else {})},
         )
 
 
@@ -92,13 +98,15 @@ def make_context(stage: str, argv: Sequence[str]) -> StageContext:
     experiment, overrides = parse_argv(argv)
     cfg = compose(experiment, overrides)
     results_root = Path(cfg.results_root)
+    drafter = str(cfg.drafter.name) if stage in PER_DRAFTER else None
     return StageContext(
         stage=stage,
         cfg=cfg,
         experiment=cfg.experiment_name,
         results_root=results_root,
-        out_dir=stage_dir(results_root, cfg.experiment_name, stage),
-        work_dir=work_dir(results_root, cfg.experiment_name, stage),
+        out_dir=stage_dir(results_root, cfg.experiment_name, stage, drafter),
+        work_dir=work_dir(results_root, cfg.experiment_name, stage, drafter),
+        drafter=drafter,
         rank=int(os.environ.get("RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -112,11 +120,13 @@ def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = Non
 
     if not ctx.is_rank0:
         return
-    inputs = {
-        up: stage_marker(ctx.results_root, ctx.experiment, up)
-        for up in stage_inputs(ctx.stage, ctx.cfg)
-        if stage_marker(ctx.results_root, ctx.experiment, up).is_file()
-    }
+    inputs = {}
+    for up in stage_inputs(ctx.stage, ctx.cfg):
+        branches = [ctx._branch_of(up, None)] if ctx.stage in PER_DRAFTER or up not in PER_DRAFTER else list(ctx.cfg.drafters)
+        for d in branches:
+            path = stage_marker(ctx.results_root, ctx.experiment, up, d)
+            if path.is_file():
+                inputs[f"{up}/{d}" if d else up] = path
     write_provenance(ctx.out_dir, stage=ctx.stage, config=ctx.params, config_hash=ctx.config_hash, inputs=inputs, extra=extra)
 
 

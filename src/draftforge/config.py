@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, List, Sequence
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -20,13 +20,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draftforge.baselines.config import BaselinesConfig
 from draftforge.curate.config import CurateConfig
+from draftforge.drafter.settings import DrafterConfig, listed_drafters, needs_last_layer
 from draftforge.errors import ConfigError
 from draftforge.evaluate.config import EvaluateConfig
 from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
-from draftforge.stages import STAGE_SECTIONS
+from draftforge.stages import STAGE_BY_NAME, STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
 from draftforge.train.config import TrainConfig
 
@@ -43,7 +44,11 @@ class RootConfig:
     results_root: str = ""  # empty → <repo>/results (or $DRAFTFORGE_RESULTS)
     seed: int = 0
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # The drafters the DAG trains: conf/drafter/<name>.yaml each; train / evaluate / baselines run once per
+    # name (results/<exp>/<stage>/<name>/), target / curate / extract once.
+    drafters: List[str] = field(default_factory=lambda: ["dflash"])
     target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)  # this branch's drafter (group `drafter`)
     curate: CurateConfig = field(default_factory=CurateConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -73,12 +78,27 @@ def compose(
         cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.create(OmegaConf.to_container(cfg)))
         OmegaConf.set_struct(cfg, True)
         OmegaConf.to_object(cfg)  # builds every dataclass: their __post_init__ checks the values
+        check_drafters(cfg, overrides, conf_dir)
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:
         message = _explain(exc)
         raise ConfigError(f"config (experiment={experiment}, overrides={list(overrides)}): {message}") from None
     finally:
         GlobalHydra.instance().clear()
     return cfg
+
+
+def check_drafters(cfg: DictConfig, overrides: Sequence[str], conf_dir: str | Path) -> None:
+    """Every name in `drafters` has its conf/drafter file, and a chosen group option names itself."""
+    listed_drafters(cfg, conf_dir)
+    chosen = [o.split("=", 1)[1] for o in overrides if override_key(o) == "drafter"]
+    if chosen and chosen[-1] != cfg.drafter.name:
+        raise ConfigError(f"conf/drafter/{chosen[-1]}.yaml: name is {cfg.drafter.name!r}; set `name: {chosen[-1]}` "
+                          "(the branch's folders are named after it)")
+
+
+def branch_overrides(drafter: str | None) -> list[str]:
+    """The override that composes one drafter branch (none for the stages that run once)."""
+    return [f"drafter={drafter}"] if drafter else []
 
 
 def _explain(exc: BaseException) -> str:
@@ -97,9 +117,17 @@ def to_plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
+# Values derived from several sections that a stage's computation depends on, tracked under `derived`
+# instead of the sections themselves (extract stores the last layer iff some listed drafter reads it; adding
+# a drafter that does not must not rerun extract).
+DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
+
+
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The resolved plain dict a stage computes with: what Snakemake tracks in `params`."""
     view: dict[str, Any] = {"experiment_name": cfg.experiment_name, "seed": cfg.seed}
+    for name in STAGE_BY_NAME[stage].derived:
+        view.setdefault("derived", {})[name] = DERIVED_PARAMS[name](cfg)
     for key in STAGE_SECTIONS[stage]:
         *parents, leaf = key.split(".")
         node, into = cfg, view

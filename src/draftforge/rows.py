@@ -11,6 +11,7 @@ class Row(TypedDict, total=False):
 
     dataset: str
     engine: str  # "draftforge" (evaluate) or "vllm" (baselines)
+    drafter: Optional[str]  # the drafter branch that measured the row (conf/drafter/<name>.yaml)
     method: str
     budget: Optional[int]  # DDTree node budget; None for other methods
     temperature: float
@@ -28,7 +29,7 @@ class Row(TypedDict, total=False):
 
 # The shared keys in summary.csv column order.
 ROW_KEYS: tuple[str, ...] = (
-    "dataset", "engine", "method", "budget", "temperature", "n_prompts", "tokens_per_s", "tpot_ms",
+    "dataset", "engine", "drafter", "method", "budget", "temperature", "n_prompts", "tokens_per_s", "tpot_ms",
     "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches", "status",
 )  # fmt: skip
 

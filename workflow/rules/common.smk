@@ -1,8 +1,8 @@
 # Shared by every rule: the composed config, paths, and the command that launches a stage.
 import shlex
-from draftforge.config import stage_overrides
+from draftforge.config import branch_overrides, stage_overrides
 from draftforge.paths import stage_dir, stage_marker
-from draftforge.stages import STAGE_TABLE, stage_inputs
+from draftforge.stages import PER_DRAFTER, STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []
@@ -11,23 +11,45 @@ _root_override = [f"results_root={Path(config['results_root']).resolve()}"] if c
 CFG = compose(EXPERIMENT, OVERRIDES + _root_override)
 RESULTS = Path(CFG.results_root)
 PYTHON = sys.executable
+# The drafter branches (conf/drafter/<name>.yaml): train / evaluate / baselines run once per name, each
+# composed with drafter=<name> on top of the same overrides.
+DRAFTERS = [str(d) for d in CFG.drafters]
+BRANCH_CFG = {d: compose(EXPERIMENT, OVERRIDES + _root_override + branch_overrides(d)) for d in DRAFTERS}
 
 
-def marker(stage):
-    return str(stage_marker(RESULTS, EXPERIMENT, stage))
+def cfg_of(drafter=None):
+    return BRANCH_CFG[drafter] if drafter else CFG
 
 
-def stage_log(stage):
-    return str(RESULTS / EXPERIMENT / "logs" / f"{stage}.log")
+def marker(stage, drafter=None):
+    """The stage's marker; a per-drafter stage's with drafter=None is the wildcard pattern."""
+    return str(stage_marker(RESULTS, EXPERIMENT, stage, (drafter or "{drafter}") if stage in PER_DRAFTER else None))
 
 
-def stage_benchmark(stage):
-    return str(RESULTS / EXPERIMENT / "benchmarks" / f"{stage}.tsv")
+def upstream_markers(stage, drafter=None):
+    """Markers a stage reads: a branch reads its own branch upstream, a once-stage reads every branch."""
+    out = []
+    for up in stage_inputs(stage, cfg_of(drafter)):
+        if up not in PER_DRAFTER:
+            out.append(marker(up))
+        elif drafter:
+            out.append(marker(up, drafter))
+        else:
+            out += [marker(up, d) for d in DRAFTERS]
+    return out
 
 
-def params_of(stage):
+def stage_log(stage, drafter=None):
+    return str(RESULTS / EXPERIMENT / "logs" / (f"{stage}-{drafter}.log" if drafter else f"{stage}.log"))
+
+
+def stage_benchmark(stage, drafter=None):
+    return str(RESULTS / EXPERIMENT / "benchmarks" / (f"{stage}-{drafter}.tsv" if drafter else f"{stage}.tsv"))
+
+
+def params_of(stage, drafter=None):
     """The stage's resolved config as a plain dict: Snakemake reruns the stage when it changes."""
-    return stage_params(CFG, stage)
+    return stage_params(cfg_of(drafter), stage)
 
 
 def gpus(stage):
@@ -41,12 +63,12 @@ def nprocs(stage):
     return n_gpus if n_gpus > 0 else max(1, int(CFG[stage].get("cpu_procs", 1)) if stage in CFG else 1)
 
 
-def stage_cmd(stage):
-    """Shell command running one stage; torchrun when it spans several processes or GPUs.
-
-    Holds only what the config decides (no core counts), so it is safe to track in params.
+def stage_cmd(stage, drafter=None):
+    """Shell command running one stage (one branch of a per-drafter stage); torchrun when it spans several
+    processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track in params.
     """
-    args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES)]
+    args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES),
+            *branch_overrides(drafter)]
     quoted = " ".join(shlex.quote(a) for a in args)
     if nprocs(stage) > 1 or gpus(stage) > 0:
         launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {nprocs(stage)}"

@@ -1,25 +1,39 @@
 # One rule per row of the stage table (draftforge.stages.STAGE_TABLE): inputs are the upstream stages'
 # markers, the output is the stage's marker, params track the stage's resolved config sections.
-# extract and train keep finished shards / checkpoints in results/<exp>/.work/<stage> (never a declared
-# output), so a failed or interrupted job resumes. timing=1: evaluate and baselines measure speed, so
-# they never share the machine with each other.
+# Per-drafter stages (train, evaluate, baselines) are one rule with a {drafter} wildcard over the
+# experiment's `drafters`; their params, command and inputs are the branch's (composed with drafter=<name>).
+# extract and train keep finished shards / checkpoints in results/<exp>/.work/<stage>[/<drafter>] (never a
+# declared output), so a failed or interrupted job resumes. timing=1: evaluate and baselines measure
+# speed, so they never share the machine with each other (nor with another branch's).
+
+wildcard_constraints:
+    drafter="|".join(re.escape(d) for d in DRAFTERS),
+
+
+def _branch(stage, fn):
+    """fn(stage) for a once-stage; for a per-drafter stage a function of the {drafter} wildcard."""
+    if stage in PER_DRAFTER:
+        return lambda wc: fn(stage, wc.drafter)
+    return fn(stage)
+
+
 for _stage in STAGE_TABLE:
 
     rule:
         name:
             _stage.name
         input:
-            [marker(up) for up in stage_inputs(_stage.name, CFG)],
+            _branch(_stage.name, upstream_markers),
         output:
             marker(_stage.name),
         params:
-            cfg=params_of(_stage.name),
-            cmd=stage_cmd(_stage.name),
+            cfg=_branch(_stage.name, params_of),
+            cmd=_branch(_stage.name, stage_cmd),
             nproc=nprocs(_stage.name),
         log:
-            stage_log(_stage.name),
+            stage_log(_stage.name, "{drafter}" if _stage.per_drafter else None),
         benchmark:
-            stage_benchmark(_stage.name)
+            stage_benchmark(_stage.name, "{drafter}" if _stage.per_drafter else None)
         threads: workflow.cores if _stage.all_cores else 1
         resources:
             gpu=gpus(_stage.name),

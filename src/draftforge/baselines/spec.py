@@ -156,7 +156,7 @@ def plan_method(name: str, mcfg: Any, target_info: dict[str, Any], default_draft
 
 def plan_mtp(mcfg: Any, target_info: dict[str, Any], trained_mtp_dir: Path | None) -> MethodPlan:
     """The target's own MTP layers when it has them; else a trained head in vLLM's MiMo MTP format
-    (baselines.methods.mtp.model, or the train stage's train/mtp) served as a separate draft model,
+    (baselines.methods.mtp.model, or the mtp branch's train/mtp/mtp) served as a separate draft model,
     with the target's config told it has one MTP layer (vLLM sizes MTP drafts from the target config)."""
     from draftforge.drafter.mtp_format import MTP_TARGET_OVERRIDES, TRAINED_DEFAULT_DRAFTS
 
@@ -169,7 +169,7 @@ def plan_mtp(mcfg: Any, target_info: dict[str, Any], trained_mtp_dir: Path | Non
         head = trained_mtp_dir.resolve()
     if head is None:
         return MethodPlan("mtp", skip_reason=f"target {target_info.get('name')!r} has no MTP layers (target.json "
-                                             "mtp_layers=0) and no trained MTP head (train.mtp=false)")  # fmt: skip
+                                             "mtp_layers=0) and no trained MTP head (its mtp train branch made none)")  # fmt: skip
     if not (head / "config.json").is_file():
         raise StageError(f"baselines.methods.mtp.model: {head} has no config.json")
     cfg = json.loads((head / "config.json").read_text())

@@ -1,6 +1,7 @@
-"""`baselines` stage: vLLM AR / n-gram / DFlash / MTP (/ EAGLE-3) on the evaluate stage's prompts.
+"""`baselines` stage, one branch per listed drafter: vLLM AR and the branch's methods (dflash: DFlash, n-gram,
+EAGLE-3; dspark: DSpark; mtp: MTP) on the evaluate stage's prompts.
 
-Outputs under results/<exp>/baselines/: `<method>.json` per method (rows, counters, per-prompt
+Outputs under results/<exp>/baselines/<name>/: `<method>.json` per method (rows, counters, per-prompt
 timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
 all rows, method statuses; report checks parity against evaluate). Worker specs/results live in the work dir.
 A missing vLLM is a recorded skip with its reason in every row, never numbers.
@@ -20,6 +21,7 @@ from draftforge.baselines.prompts import load_sets, render_sets
 from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
+from draftforge.drafter.settings import branch_vllm_methods
 from draftforge.errors import StageError
 from draftforge.io import write_json
 from draftforge.runtime import cuda_device_count, device_kind
@@ -28,9 +30,10 @@ from draftforge.stages import STAGE_MARKERS
 log = logging.getLogger(__name__)
 
 
-def enabled_methods(bcfg: Any) -> list[str]:
-    """Enabled methods in config order, `ar` first (the speedup and lossless reference)."""
-    names = [str(n) for n, m in bcfg.methods.items() if m.enabled]
+def enabled_methods(bcfg: Any, drafter_type: str) -> list[str]:
+    """This branch's enabled methods (drafter.settings.branch_vllm_methods) in config order, `ar` first (the
+    speedup and lossless reference)."""
+    names = branch_vllm_methods(drafter_type, [str(n) for n, m in bcfg.methods.items() if m.enabled])
     if not names:
         raise StageError("baselines.methods: every method is disabled")
     return sorted(names, key=lambda n: n != "ar")
@@ -152,7 +155,7 @@ def main(ctx: Any) -> None:
     from draftforge.target.load import load_tokenizer, read_target_info
 
     info = read_target_info(ctx.input_marker("target"))
-    names = enabled_methods(b)
+    names = enabled_methods(b, ctx.cfg.drafter.type)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
     mtp_dir = ctx.input_dir("train") / "mtp" if "mtp" in names else None  # a trained head, when train made one
@@ -194,8 +197,8 @@ def main(ctx: Any) -> None:
             for row in rows_by_method[name]:
                 row["mtp_source"] = plans[name].source
     all_rows = [row for name in names for row in rows_by_method[name]]
-    for row in all_rows:  # which drafter a row used (the report's `drafter` column)
-        row["drafter"] = row["method"] if row["method"] in ("dflash", "dspark") else None
+    for row in all_rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
+        row["drafter"] = ctx.drafter
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():

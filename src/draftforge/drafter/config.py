@@ -1,4 +1,4 @@
-"""DFlashConfig: the drafter's shape, built from target.json and round-tripped through HF config.json.
+"""DFlashConfig: the drafter's shape, built from target.json + the `drafter` section, round-tripped through HF config.json.
 
 Invariants: same width as the target (hidden, heads, KV heads, head_dim, MLP); `target_layer_ids` are
 0-based "output of decoder layer i" (HF hidden_states[i+1]; vLLM adds 1 itself); the mask token is a
@@ -85,29 +85,30 @@ class DFlashConfig:
         return self.n_taps * self.target_hidden_size
 
     @classmethod
-    def from_target(cls, target_info: dict[str, Any], **overrides: Any) -> "DFlashConfig":
-        """The drafter shape for a target.json record (draft layers from target_info['drafter'])."""
+    def from_target(cls, target_info: dict[str, Any], shape: Any, **overrides: Any) -> "DFlashConfig":
+        """The drafter for a target.json record: width, taps and mask token from the target, draft layers,
+        block size and window from `shape` (the `drafter` config section, drafter.settings.DrafterConfig)."""
         try:
-            drafter = target_info["drafter"]
+            fixed = target_info["drafter"]  # what the target fixes for every drafter
             values = dict(
                 hidden_size=int(target_info["hidden_size"]),
                 intermediate_size=int(target_info["intermediate_size"]),
-                num_hidden_layers=int(drafter["num_layers"]),
+                num_hidden_layers=int(shape.num_layers),
                 num_attention_heads=int(target_info["num_heads"]),
                 num_key_value_heads=int(target_info["num_kv_heads"]),
                 head_dim=int(target_info["head_dim"]),
                 vocab_size=int(target_info["vocab_size"]),
-                mask_token_id=int(drafter["mask_token_id"]),
-                target_layer_ids=[int(t) for t in drafter["target_layer_ids"]],
-                block_size=int(drafter.get("block_size", 16)),
+                mask_token_id=int(fixed["mask_token_id"]),
+                target_layer_ids=[int(t) for t in fixed["target_layer_ids"]],
+                block_size=int(shape.block_size),
                 rms_norm_eps=float(target_info.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(target_info.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(target_info.get("max_position_embeddings", 4096)),
                 target_num_layers=int(target_info["num_layers"]),
-                sliding_window=int(drafter.get("sliding_window") or 0),
+                sliding_window=int(shape.sliding_window or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise StageError(f"target.json: missing or bad key for the drafter shape ({exc!r})") from None
+            raise StageError(f"target.json: missing or bad key for the drafter ({exc!r})") from None
         values.update(overrides)
         return cls(**values)
 

@@ -339,6 +339,6 @@ def export_mimo_head(head: MTPHead, out_dir: str | Path, target_hf_dir: str | Pa
     return out_dir
 
 
-def wants_trained_head(info: dict[str, Any], mtp: bool) -> bool:
-    """train.mtp on and the target has no MTP layers of its own."""
-    return bool(mtp) and int(info.get("mtp_layers") or 0) == 0
+def wants_trained_head(info: dict[str, Any]) -> bool:
+    """An mtp branch trains a head when the target has no MTP layers of its own."""
+    return int(info.get("mtp_layers") or 0) == 0

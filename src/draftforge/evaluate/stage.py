@@ -1,4 +1,5 @@
-"""`evaluate` stage: AR / DFlash / DDTree on the eval prompt sets → results/<exp>/evaluate/.
+"""`evaluate` stage, one branch per listed drafter: AR and the methods of the branch's drafter (dflash: DFlash /
+DDTree; dspark: DSpark / DDTree / DDTree-Markov; mtp: MTP) on the eval prompt sets → results/<exp>/evaluate/<name>/.
 
 Outputs: `<dataset>.json` (rows + per-response records) per dataset, then the marker
 `evaluate.json` (all rows; row keys shared with `baselines` so `report` merges them).
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.config import EvaluateConfig
@@ -40,12 +42,6 @@ def evaluate_config(ctx) -> EvaluateConfig:
 def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> torch.dtype:
     name = cfg.dtype or (target_dtype if device.type == "cuda" else "float32")
     return dtype_named("evaluate.dtype", name)
-
-
-def drafter_kind(cfg) -> str:
-    from draftforge.drafter.dspark import is_dspark
-
-    return "dspark" if is_dspark(cfg) else "dflash"
 
 
 def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
@@ -88,7 +84,7 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
         where, source = ctx.input_dir("train") / "mtp", "trained"
         if not (where / "config.json").is_file():
             raise StageError(f"evaluate.methods: 'mtp' needs an MTP head: target {info.get('name')!r} has no MTP "
-                             f"layers and {where} does not exist (train with train.mtp=true)")
+                             f"layers and {where} does not exist (list mtp in `drafters`: its train branch trains one)")
     try:
         head = load_mtp_head(where, source=source, dtype=dtype, device=device)
     except ValueError as exc:
@@ -144,8 +140,8 @@ def main(ctx) -> None:
 
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
-    plan = method_plan(cfg.methods, cfg.budgets)
-    if any(m != "ar" for m, _ in plan):  # a drafter trained for another target: refuse before any work
+    plan = method_plan(branch_methods(ctx.cfg.drafter.type, cfg.methods), cfg.budgets)
+    if any(m not in ("ar", "mtp") for m, _ in plan):  # a drafter trained for another target: refuse before any work
         from draftforge.drafter.config import check_drafter_target
 
         ctx.input_marker("train")
@@ -171,8 +167,8 @@ def main(ctx) -> None:
         if not ctx.is_rank0:
             continue
         rows = aggregate(records)
-        for row in rows:  # which drafter produced the row (None for AR)
-            row["drafter"] = None if row["method"] == "ar" or es.drafter is None else drafter_kind(es.drafter.cfg)
+        for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
+            row["drafter"] = ctx.drafter
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
         write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),

@@ -87,9 +87,9 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                          f"in [0, {info['num_layers']}) (output of decoder layer i)")  # fmt: skip
     device = pick_device("extract.device", cfg.device, cfg.gpus, ctx.local_rank)
     dtype, attn = compute_dtype(cfg, info, device), attn_impl(cfg, device)
-    from draftforge.train.config import needs_last_layer
+    from draftforge.drafter.settings import needs_last_layer
 
-    store_last = needs_last_layer(ctx.cfg)  # the target's next-token distribution for the trainer
+    store_last = needs_last_layer(ctx.cfg)  # the target's next-token distribution for a listed drafter
     extra_key = {"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
                  "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch}
     if store_last:  # only then: plans (and resumable shards) without it keep their key

@@ -1,5 +1,6 @@
 """Train/serve parity: vLLM τ beside the standalone engine's τ of one method, same prompts, T = 0 —
-`dflash` (our drafter) and `mtp` (the MTP head, native or trained).
+the chain method of each drafter branch: `dflash`, `dspark` (our drafters) and `mtp` (the MTP head, native
+or trained).
 
 Computed here, in `report` (the one stage that declares both `evaluate` and `baselines` as inputs), over
 the rows `report.rows.collect_rows` joined: a changed evaluate or baselines result always reruns it.
@@ -11,22 +12,27 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _method_at_t0(rows: Sequence[Mapping[str, Any]], engine: str, method: str) -> dict[str, Mapping[str, Any]]:
-    """The first row of `method` at T = 0 with a τ, per dataset, of one engine."""
+def _method_at_t0(rows: Sequence[Mapping[str, Any]], engine: str, method: str,
+                  drafter: str | None) -> dict[str, Mapping[str, Any]]:
+    """The first row of `method` (of one drafter branch, or any) at T = 0 with a τ, per dataset, of one engine."""
     found: dict[str, Mapping[str, Any]] = {}
     for row in rows:
         if row.get("engine") != engine or row.get("method") != method or row.get("tau") is None:
+            continue
+        if drafter is not None and row.get("drafter") != drafter:
             continue
         if float(row.get("temperature") or 0.0) == 0.0:
             found.setdefault(str(row.get("dataset")), row)
     return found
 
 
-def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: str = "dflash") -> dict[str, Any]:
-    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` against `tolerance`; `all_within` over
-    the checked."""
-    ours, vllm = _method_at_t0(rows, "draftforge", method), _method_at_t0(rows, "vllm", method)
-    block: dict[str, Any] = {"tolerance": tolerance, "datasets": {}, "all_within": None}
+def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: str = "dflash",
+                 drafter: str | None = None) -> dict[str, Any]:
+    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` (of one drafter branch, or any) against
+    `tolerance`; `all_within` over the checked."""
+    ours, vllm = _method_at_t0(rows, "draftforge", method, drafter), _method_at_t0(rows, "vllm", method, drafter)
+    block: dict[str, Any] = {"tolerance": tolerance, "method": method, "drafter": drafter, "datasets": {},
+                             "all_within": None}
     for dataset in sorted(set(ours) | set(vllm)):
         mine, theirs = vllm.get(dataset), ours.get(dataset)
         entry: dict[str, Any] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,16 @@ def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
     return out
 
 
-def collect_rows(evaluate_json: Path, baselines_json: Path) -> list[dict[str, Any]]:
-    """Both engines' rows (the evaluate and baselines markers), sorted by dataset, engine, method, budget."""
-    rows = _rows_of(read_json(evaluate_json, what="draftforge results"), evaluate_json, "draftforge")
-    rows += _rows_of(read_json(baselines_json, what="vllm results"), baselines_json, "vllm")
-    return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], r["method"], _num(r.get("budget"), -1)))
+def collect_rows(evaluate_jsons: Sequence[Path], baselines_jsons: Sequence[Path]) -> list[dict[str, Any]]:
+    """Both engines' rows from every drafter branch (the evaluate and baselines markers), sorted by dataset,
+    engine, drafter, method, budget."""
+    rows: list[dict[str, Any]] = []
+    for path in evaluate_jsons:
+        rows += _rows_of(read_json(path, what="draftforge results"), path, "draftforge")
+    for path in baselines_jsons:
+        rows += _rows_of(read_json(path, what="vllm results"), path, "vllm")
+    return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], str(r.get("drafter")), r["method"],
+                                       _num(r.get("budget"), -1)))
 
 
 def _num(value: Any, default: float = math.nan) -> float:
@@ -41,11 +47,18 @@ def _num(value: Any, default: float = math.nan) -> float:
         return default
 
 
-def best_ddtree(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset, the DDTree row with the highest tokens/s (chosen on the evaluation data itself)."""
+TREE_METHODS = ("ddtree", "ddtree_markov")
+
+
+def best_ddtree(rows: list[dict[str, Any]], methods: Sequence[str] = TREE_METHODS,
+                drafter: str | None = None) -> dict[str, dict[str, Any]]:
+    """Per dataset, the tree row (of `methods`, of one drafter branch or any) with the highest tokens/s,
+    chosen on the evaluation data itself."""
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] != "ddtree" or row.get("status", "ok") != "ok":
+        if row["method"] not in methods or row.get("status", "ok") != "ok":
+            continue
+        if drafter is not None and row.get("drafter") != drafter:
             continue
         current = best.get(row.get("dataset"))
         if current is None or _num(row.get("tokens_per_s"), 0) > _num(current.get("tokens_per_s"), 0):
@@ -60,12 +73,14 @@ def method_label(row: dict[str, Any]) -> str:
 
 
 def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset: best-budget DDTree tokens/s (standalone engine) ÷ MTP tokens/s in each engine
-    ({dataset: {"ddtree_tokens_per_s", "mtp": {engine: {"label", "tokens_per_s", "ratio"}}}}), T = 0 rows."""
+    """Per dataset: the best tree row's tokens/s (standalone engine, any drafter branch, ddtree or ddtree_markov)
+    ÷ MTP tokens/s in each engine ({dataset: {"ddtree_tokens_per_s", "ddtree_label", "mtp": {engine: {"label",
+    "tokens_per_s", "ratio"}}}}), T = 0 rows."""
     best = best_ddtree([r for r in rows if _num(r.get("temperature"), 0.0) == 0.0])
     out: dict[str, dict[str, Any]] = {}
     for dataset, d in sorted(best.items()):
-        entry: dict[str, Any] = {"ddtree_tokens_per_s": d.get("tokens_per_s"), "mtp": {}}
+        entry: dict[str, Any] = {"ddtree_tokens_per_s": d.get("tokens_per_s"), "mtp": {},
+                                 "ddtree_label": f"{d.get('drafter')}/{d['method']}@{d.get('budget')}"}
         for r in rows:
             if r.get("dataset") != dataset or r["method"] != "mtp" or r.get("status", "ok") != "ok":
                 continue

@@ -1,4 +1,4 @@
-"""`report` stage: one table (summary.md / summary.csv) over every engine and method, plots, MLflow links."""
+"""`report` stage: one table (summary.md / summary.csv) over every drafter branch, engine and method, plots, MLflow links."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from draftforge.drafter.settings import CHAIN_METHOD, listed_drafters
 from draftforge.io import read_json, write_json, write_text
-from draftforge.paths import mlflow_uri
+from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
 from draftforge.report.parity import parity_block
-from draftforge.report.rows import COLUMNS, best_ddtree, collect_rows, fmt, method_label, vs_mtp
+from draftforge.report.rows import COLUMNS, TREE_METHODS, best_ddtree, collect_rows, fmt, method_label, vs_mtp
 from draftforge.tracking import experiment_name, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -28,11 +29,11 @@ def summary_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    header = ["dataset", "engine", "method", "budget", "tokens/s", "speedup vs AR", "τ", "TPOT ms", "mismatches", "status"]
+    header = ["dataset", "engine", "drafter", "method", "budget", "tokens/s", "speedup vs AR", "τ", "TPOT ms", "mismatches", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [
-            fmt(r.get("dataset")), r["engine"], method_label(r), fmt(r.get("budget")), fmt(r.get("tokens_per_s"), 1),
+            fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), fmt(r.get("budget")), fmt(r.get("tokens_per_s"), 1),
             fmt(r.get("speedup_vs_ar")), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
             r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else ""),
         ]  # fmt: skip
@@ -90,11 +91,11 @@ def vs_mtp_lines(table: dict[str, dict[str, Any]]) -> list[str]:
     """The "vs MTP" table: best-budget DDTree tokens/s ÷ MTP tokens/s, per dataset, in each engine."""
     engines = sorted({e for v in table.values() for e in v["mtp"]})
     if not engines:
-        return ["- (no MTP rows: the target has no MTP layers and train.mtp=false, or mtp not in evaluate.methods)"]
-    head = ["dataset", "DDTree best tok/s"] + [f"vs MTP ({e}: {_mtp_name(table, e)})" for e in engines]
+        return ["- (no MTP rows: mtp is not in `drafters`, or not in evaluate.methods)"]
+    head = ["dataset", "best tree (drafter/method@budget)", "tok/s"] + [f"vs MTP ({e}: {_mtp_name(table, e)})" for e in engines]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for dataset, v in table.items():
-        cells = [dataset, fmt(v["ddtree_tokens_per_s"], 1)]
+        cells = [dataset, v["ddtree_label"], fmt(v["ddtree_tokens_per_s"], 1)]
         for e in engines:
             m = v["mtp"].get(e)
             cells.append(f"{m['ratio']:.2f}× ({fmt(m['tokens_per_s'], 1)} tok/s)" if m else "")
@@ -106,59 +107,75 @@ def _mtp_name(table: dict[str, dict[str, Any]], engine: str) -> str:
     return next((v["mtp"][engine]["label"] for v in table.values() if engine in v["mtp"]), "mtp")
 
 
+def branch_lines(drafters: dict[str, Any], trains: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per drafter branch: its shape and how its training went."""
+    lines = []
+    for name, d in drafters.items():
+        t = trains[name]
+        if d.type == "mtp":
+            m = t.get("mtp") or {}
+            done = (f"trained {m.get('steps', '?')} steps (loss {fmt(m.get('loss_first'))} → {fmt(m.get('loss_last'))}); "
+                    f"val simulated τ {fmt((m.get('best') or {}).get('val_mtp_sim_tau'))}") if m else "the target's native MTP layer"
+            lines.append(f"- **{name}** (MTP head): {done}.")
+            continue
+        shape = t.get("drafter") or {}
+        lines.append(
+            f"- **{name}** ({d.type}): {shape.get('num_hidden_layers', '?')} layers, block {shape.get('block_size', '?')}, "
+            f"taps {shape.get('target_layer_ids', '?')}; trained {t.get('steps', '?')} steps, val simulated τ "
+            f"{fmt((t.get('best') or {}).get('val_sim_tau'))} ({t.get('selected', '?')})."
+        )
+    return lines
+
+
 def build_report(ctx) -> dict[str, Any]:
-    rows = collect_rows(ctx.input_marker("evaluate"), ctx.input_marker("baselines"))
+    drafters = listed_drafters(ctx.cfg, CONF_DIR)
+    rows = collect_rows([ctx.input_marker("evaluate", d) for d in drafters],
+                        [ctx.input_marker("baselines", d) for d in drafters])
     target = read_json(ctx.input_marker("target"), what="target.json")
-    train = read_json(ctx.input_marker("train"), what="train metrics")
+    trains = {d: read_json(ctx.input_marker("train", d), what="train metrics") for d in drafters}
     curate = read_json(ctx.input_marker("curate"), what="curate manifest")
     figures: dict[str, Path] = {}
     if ctx.cfg.report.plots:
         figures["tokens_per_s"] = plots.tokens_per_s_by_method(rows, ctx.out_dir / "tokens_per_s.png")
         figures["ddtree_budget"] = plots.ddtree_budget_sweep(rows, ctx.out_dir / "ddtree_budget.png")
         figures["acceptance"] = plots.acceptance_histograms(rows, ctx.out_dir / "acceptance_hist.png")
-        history = training_history(train)
-        if history:
-            figures["training"] = plots.training_curve(history, ctx.out_dir / "training_curve.png")
-    best = best_ddtree(rows)
-    best_lines = [
-        f"- **{ds}**: DDTree budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} tok/s, τ {fmt(r.get('tau'))}, "
-        f"speedup {fmt(r.get('speedup_vs_ar'))}× vs AR" for ds, r in sorted(best.items())
-    ]  # fmt: skip
-    parity = parity_block(rows, float(ctx.cfg.report.parity_tolerance))
-    parity_lines = parity_text(parity)
-    parity_mtp = parity_block(rows, float(ctx.cfg.report.parity_tolerance), method="mtp")
+        for name, t in trains.items():
+            history = training_history(t)
+            if history:
+                figures[f"training_{name}"] = plots.training_curve(history, ctx.out_dir / f"training_curve_{name}.png")
+    best_lines = []
+    for name in drafters:
+        for method in TREE_METHODS:
+            for ds, r in sorted(best_ddtree(rows, (method,), drafter=name).items()):
+                best_lines.append(f"- **{ds}**, {name}/{method}: budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} "
+                                  f"tok/s, τ {fmt(r.get('tau'))}, speedup {fmt(r.get('speedup_vs_ar'))}× vs AR")
+    tol = float(ctx.cfg.report.parity_tolerance)
+    parity = {name: parity_block(rows, tol, method=CHAIN_METHOD[d.type], drafter=name) for name, d in drafters.items()}
+    parity_lines = []
+    for name, block in parity.items():
+        parity_lines += [f"### {name}: vLLM `{block['method']}` vs the standalone `{block['method']}` chain", *parity_text(block), ""]
     mtp_table = vs_mtp(rows)
-    mtp_train = train.get("mtp") or {}
-    mtp_note = ""
-    if mtp_train:
-        mtp_note = (f" MTP head trained {mtp_train.get('steps', '?')} steps (loss {fmt(mtp_train.get('loss_first'))} → "
-                    f"{fmt(mtp_train.get('loss_last'))}); val simulated τ {fmt((mtp_train.get('best') or {}).get('val_mtp_sim_tau'))}.")
     links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"))
     text = "\n".join([
         f"# draftforge report — experiment `{ctx.experiment}`",
         "",
-        f"Target **{target['name']}** ({target['architecture']}, {target['num_layers']} layers, H {target['hidden_size']}); "
-        f"drafter {target['drafter']['num_layers']} layers, block {target['drafter']['block_size']}, taps {target['drafter']['target_layer_ids']}.",
-        f"Training set: {curate.get('counts', {}).get('kept', curate.get('kept', '?'))} conversations. "
-        f"Drafter trained {train.get('steps', '?')} steps; val simulated τ {fmt((train.get('best') or {}).get('val_sim_tau'))} "
-        f"({train.get('selected', '?')}).{mtp_note}",
+        f"Target **{target['name']}** ({target['architecture']}, {target['num_layers']} layers, H {target['hidden_size']}). "
+        f"Training set: {curate.get('counts', {}).get('kept', curate.get('kept', '?'))} conversations. Drafter branches "
+        "(same features; each measures AR as its own speedup reference):",
+        *branch_lines(drafters, trains),
         "",
-        "Speedup = mean TPOT(AR) / mean TPOT(method) within one engine; τ = tokens committed per target verify (bonus included).",
-        "The best DDTree budget is chosen on the evaluation data itself (as published numbers do).",
+        "Speedup = mean TPOT(AR) / mean TPOT(method) within one engine and branch; τ = tokens committed per target "
+        "verify (bonus included). The best tree budget is chosen on the evaluation data itself (as published numbers do).",
         "",
-        "## Best DDTree budget per dataset",
+        "## Best tree budget per dataset, drafter and tree method",
         *(best_lines or ["- (no DDTree rows)"]),
         "",
-        "## DDTree vs MTP (best-budget DDTree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
+        "## DDTree vs MTP (best tree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
         "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
         *vs_mtp_lines(mtp_table),
         "",
-        "## Train/serve parity (our drafter: vLLM `dflash` vs the standalone DFlash chain, T = 0)",
-        *(parity_lines or ["- (needs dflash rows from both engines)"]),
-        "",
-        "## Train/serve parity of the MTP head (vLLM `mtp` vs the standalone `mtp` chain, T = 0)",
-        *(parity_text(parity_mtp) or ["- (needs mtp rows from both engines)"]),
-        "",
+        "## Train/serve parity (each branch's chain: vLLM τ vs standalone τ, T = 0)",
+        *(parity_lines or ["- (no drafter branches)"]),
         "## All runs",
         markdown_table(rows),
         "",
@@ -171,17 +188,17 @@ def build_report(ctx) -> dict[str, Any]:
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
     write_json(ctx.out_dir / "parity.json", parity)
-    write_json(ctx.out_dir / "parity_mtp.json", parity_mtp)
-    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "parity_mtp": parity_mtp, "vs_mtp": mtp_table}
+    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "vs_mtp": mtp_table}
 
 
 def main(ctx) -> None:
     with mlflow_run(**ctx.tracking_kwargs(), run_name="report", params=ctx.params) as run:
         report = build_report(ctx)
         run.log_metrics({"rows": len(report["rows"])})
-        for dataset, e in (report["parity"].get("datasets") or {}).items():
-            if e.get("rel_diff") is not None:
-                run.log_metrics({f"parity_rel_diff_{dataset}": e["rel_diff"]})
+        for name, block in report["parity"].items():
+            for dataset, e in (block.get("datasets") or {}).items():
+                if e.get("rel_diff") is not None:
+                    run.log_metrics({f"parity_rel_diff_{name}_{dataset}": e["rel_diff"]})
         for dataset, v in report["vs_mtp"].items():
             for engine, m in v["mtp"].items():
                 run.log_metrics({f"ddtree_vs_mtp_{engine}_{dataset}": m["ratio"]})

@@ -1,4 +1,4 @@
-"""Typed config of the target and of the drafter shape that belongs to it (torch-free)."""
+"""Typed config of the target and of what it fixes for every drafter: taps and mask token (torch-free)."""
 
 from __future__ import annotations
 
@@ -21,22 +21,18 @@ def _check(ok: bool, key: str, problem: str) -> None:
 
 
 @dataclass
-class DrafterShapeConfig:
-    num_layers: int = 5
-    block_size: int = 16
+class DrafterInputsConfig:
+    """What the target fixes for every drafter trained on it (its shape and heads: the `drafter` group)."""
+
     # Row of the target's embedding table used as the mask token; never resize the vocabulary.
     mask_token_id: int = MISSING
     # 0-based "output of decoder layer i"; None → the reference rule over [1, L-3] (default_tap_ids).
+    # Extract stores exactly these layers, so they belong to the target, not to one drafter.
     target_layer_ids: Optional[List[int]] = None
     n_taps: int = 5
-    # Sliding-window draft layers (Qwen3.6-27B's published drafter); 0 = all full attention.
-    sliding_window: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.num_layers >= 1, "target.drafter.num_layers", f"{self.num_layers} must be >= 1")
-        _check(self.block_size >= 2, "target.drafter.block_size", f"{self.block_size} must be >= 2")
         _check(self.n_taps >= 1, "target.drafter.n_taps", f"{self.n_taps} must be >= 1")
-        _check(self.sliding_window >= 0, "target.drafter.sliding_window", f"{self.sliding_window} must be >= 0")
 
 
 @dataclass
@@ -83,7 +79,7 @@ class TargetConfig:
     num_layers: Optional[int] = None  # expected layer count (checked when set)
     mtp_layers: int = 0  # MTP layers the checkpoint is expected to carry
     hybrid_attention: bool = False  # Gated-DeltaNet (linear-attention) layers present
-    drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
+    drafter: DrafterInputsConfig = field(default_factory=DrafterInputsConfig)
     random: Optional[RandomTargetConfig] = None
 
     def __post_init__(self) -> None:

@@ -6,15 +6,12 @@ from __future__ import annotations
 from typing import List, Optional, TypedDict
 
 
-class DrafterShape(TypedDict, total=False):
-    """The drafter shape the target stage resolved: taps are 0-based "output of decoder layer i"."""
+class DrafterInputs(TypedDict, total=False):
+    """What the target fixes for every drafter (resolved): taps are 0-based "output of decoder layer i"."""
 
-    num_layers: int
-    block_size: int
     mask_token_id: int  # a row of the target's embedding table, never emitted in chat
     target_layer_ids: List[int]
     n_taps: int
-    sliding_window: int
 
 
 class TargetInfo(TypedDict, total=False):
@@ -42,7 +39,7 @@ class TargetInfo(TypedDict, total=False):
     chat_template: bool
     dtype: str  # compute dtype on GPU
     fingerprint: str  # sha256 of config.json + weight names and shapes
-    drafter: DrafterShape
+    drafter: DrafterInputs
 
 
 # The keys a reader needs before it trusts the record.

@@ -13,7 +13,7 @@ from draftforge.errors import StageError
 from draftforge.io import atomic_dir, sha256_json, write_json
 from draftforge.paths import cache_dir
 from draftforge.target.config import default_tap_ids
-from draftforge.target.info import DrafterShape, TargetInfo
+from draftforge.target.info import DrafterInputs, TargetInfo
 from draftforge.target.inspect import describe, fingerprint
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def resolve_folder(target: dict[str, Any], results_root: Path) -> Path:
     raise StageError(f"target.source={source!r}: unknown")
 
 
-def drafter_shape(target: dict[str, Any], num_layers: int, vocab_size: int) -> DrafterShape:
+def drafter_inputs(target: dict[str, Any], num_layers: int, vocab_size: int) -> DrafterInputs:
     shape = dict(target["drafter"])
     taps = shape.get("target_layer_ids") or default_tap_ids(num_layers, int(shape["n_taps"]))
     bad = [t for t in taps if not 0 <= t < num_layers]
@@ -105,7 +105,7 @@ def resolve_target(target_cfg: DictConfig | dict[str, Any], results_root: str | 
         **facts,
         "dtype": target["dtype"],
         "fingerprint": fingerprint(folder),
-        "drafter": drafter_shape(target, facts["num_layers"], facts["vocab_size"]),
+        "drafter": drafter_inputs(target, facts["num_layers"], facts["vocab_size"]),
     }
 
 

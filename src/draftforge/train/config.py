@@ -9,7 +9,7 @@ CPU worlds scale num_anchors / max_steps down in their experiment file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from draftforge.errors import check
 
@@ -56,31 +56,18 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # dtype of the exported drafter weights
     dist_timeout_min: int = 60
     seed: int = 0
-    # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers, trained after the
-    # drafter from the same features (extract then also stores the final-normed last layer,
-    # `needs_last_layer`). Loss: CE of depths 1..mtp_depth applied recursively, on up to mtp_rows
-    # supervised rows per sequence and depth.
-    mtp: bool = False
+    # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers: the branch of a drafter of
+    # type mtp (conf/drafter/mtp.yaml) trains it from the same features (extract then also stores the
+    # final-normed last layer, `drafter.settings.needs_last_layer`). Loss: CE of depths 1..mtp_depth applied
+    # recursively, on up to mtp_rows supervised rows per sequence and depth.
     mtp_steps: int = 2000
     mtp_lr: float = 1e-3
     mtp_depth: int = 2
     mtp_rows: int = 256
     mtp_val_drafts: int = 3  # val: per-depth accuracy and simulated τ of this many recursive drafts
     mtp_eval_every: int = 500
-
-    # Drafter kind and DSpark heads (the drafter's own config group will own these once it exists).
-    drafter_type: str = "dflash"  # dflash | dspark
-    markov_rank: int = 256  # DSpark Markov head rank (0: none)
-    confidence_head: bool = True  # DSpark confidence head
-    confidence_head_with_markov: bool = True  # its input is [hidden; Markov embedding]
-    bonus_anchor: bool = False  # DSpark block: False = every slot predicts the next position (vLLM's default)
-    # Objective: weights of the terms ce / kl / tv (tv = ½L1 to the target's next-token distribution);
-    # all null = the drafter's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE);
-    # any set = exactly those (unset ones 0).
-    loss_ce: Optional[float] = None
-    loss_kl: Optional[float] = None
-    loss_tv: Optional[float] = None
-    confidence_loss_weight: float = 1.0  # BCE of the confidence head vs the analytic acceptance 1 - tv
+    # DSpark drafters: BCE of the confidence head vs the analytic acceptance 1 - tv
+    confidence_loss_weight: float = 1.0
     loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
     init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
 
@@ -93,8 +80,6 @@ class TrainConfig:
         check(self.batch_seqs >= 1, "train.batch_seqs", f"{self.batch_seqs} must be >= 1")
         check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
         check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
-        check(self.drafter_type in ("dflash", "dspark"), "train.drafter_type", f"{self.drafter_type!r}: use dflash or dspark")
-        check(self.markov_rank >= 0, "train.markov_rank", f"{self.markov_rank} must be >= 0")
         check(self.mtp_steps >= 1, "train.mtp_steps", f"{self.mtp_steps} must be >= 1")
         check(self.mtp_lr > 0, "train.mtp_lr", f"{self.mtp_lr} must be > 0")
         check(self.mtp_depth >= 1, "train.mtp_depth", f"{self.mtp_depth} must be >= 1")
@@ -102,19 +87,3 @@ class TrainConfig:
         check(self.mtp_val_drafts >= 1, "train.mtp_val_drafts", f"{self.mtp_val_drafts} must be >= 1")
         check(self.mtp_eval_every >= 1, "train.mtp_eval_every", f"{self.mtp_eval_every} must be >= 1")
 
-
-def effective_loss_weights(cfg: TrainConfig) -> dict[str, float]:
-    given = {t: getattr(cfg, f"loss_{t}") for t in ("ce", "kl", "tv")}
-    if any(v is not None for v in given.values()):
-        return {t: float(v) for t, v in given.items() if v}
-    return {"tv": 1.8, "ce": 0.1} if cfg.drafter_type == "dspark" else {"ce": 1.0}
-
-
-def needs_last_layer(cfg: Any) -> bool:
-    """Whether extract must store the target's final-normed last-layer states (the target's next-token
-    distribution for distribution losses / DSpark). `cfg` is the root config (has `.train`). One switch for
-    every consumer: add a condition here rather than a second flag."""
-    train = cfg.train
-    w = effective_loss_weights(train)
-    # the trained MTP head (train.mtp) reads the final-normed last layer as its hidden input
-    return train.drafter_type == "dspark" or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or bool(train.mtp)

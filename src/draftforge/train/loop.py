@@ -24,8 +24,9 @@ from tqdm import tqdm
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
+from draftforge.drafter.settings import default_loss_weights
 from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
-from draftforge.train.config import TrainConfig, effective_loss_weights
+from draftforge.train.config import TrainConfig
 from draftforge.train.data import (
     Batch,
     FeatureSource,
@@ -58,6 +59,8 @@ class TrainInputs:
     world: int = 1
     target_hf_path: str | None = None  # warm start source (cfg.init_from_target)
     logger: Any = None  # draftforge.tracking.RunLogger (rank 0) or None
+    # Objective term weights (drafter.settings.effective_loss_weights); None → the drafter type's default.
+    loss_weights: dict[str, float] | None = None
 
 
 @dataclass
@@ -154,8 +157,9 @@ class Objective:
         return self.weights.get("kl", 0) > 0 or self.weights.get("tv", 0) > 0 or self.conf_weight > 0
 
 
-def make_objective(cfg: TrainConfig, dcfg: DFlashConfig) -> Objective | None:
-    weights = check_weights(effective_loss_weights(cfg))
+def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str, float] | None = None) -> Objective | None:
+    """None for plain CE (the DFlash path); else the distribution objective with these term weights."""
+    weights = check_weights(dict(loss_weights) if loss_weights else default_loss_weights("dspark" if is_dspark(dcfg) else "dflash"))
     if not is_dspark(dcfg) and weights == {"ce": 1.0}:
         return None
     conf = cfg.confidence_loss_weight if (is_dspark(dcfg) and dcfg.enable_confidence_head) else 0.0
@@ -220,7 +224,7 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
     src = inp.val_source
     first, _ = convention(dcfg)
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device)
-    obj = make_objective(cfg, dcfg)
+    obj = make_objective(cfg, dcfg, inp.loss_weights)
     picked = val_indices(len(src), cfg.val_max_seqs) if src is not None else []
     B = dcfg.block_size
     n_draft = B - first
@@ -329,7 +333,7 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
         compile_loss()
     fwd_model = ddp
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma, convention(dcfg)[0]).to(inp.device)
-    obj = make_objective(cfg, dcfg)
+    obj = make_objective(cfg, dcfg, inp.loss_weights)
 
     def checkpoint(at: int) -> None:
         if rank0:

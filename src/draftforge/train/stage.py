@@ -1,4 +1,5 @@
-"""`train` stage: a DFlash (or DSpark: train.drafter_type) drafter from extracted features → results/<exp>/train/{drafter/, metrics.json}.
+"""`train` stage, one branch per listed drafter: the branch's drafter (conf/drafter/<name>.yaml: DFlash, DSpark, or
+an MTP head) from extracted features → results/<exp>/train/<name>/{drafter/ | mtp/, metrics.json}.
 
 `train.features=offline` reads the extract stage's feature store; `online` reads the curate shards
 and runs the target beside the drafter (train/online.py), in the same sequence order.
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
 from draftforge.drafter.mtp import wants_trained_head
+from draftforge.drafter.settings import effective_loss_weights
 from draftforge.errors import StageError
 from draftforge.extract.preflight import FreeBytes, disk_free, fmt_bytes
 from draftforge.io import sha256_file, sha256_json, write_json
@@ -37,18 +39,16 @@ from draftforge.train.loss import resolve_gamma
 log = logging.getLogger(__name__)
 
 
-def drafter_config(cfg: TrainConfig, info: dict[str, Any]) -> DFlashConfig:
-    """The drafter's shape from target.json, with DSpark heads when train.drafter_type is dspark."""
-    base = DFlashConfig.from_target(info)
-    if cfg.drafter_type == "dflash":
+def drafter_config(shape: Any, info: dict[str, Any]) -> DFlashConfig:
+    """The branch's drafter (`drafter` section) on this target, with DSpark heads for a dspark drafter."""
+    base = DFlashConfig.from_target(info, shape)
+    if shape.type != "dspark":
         return base
-    if cfg.drafter_type != "dspark":
-        raise StageError(f"train.drafter_type={cfg.drafter_type!r}: use dflash or dspark")
     from draftforge.drafter.dspark import DSparkConfig
 
-    return DSparkConfig.from_dflash(base, markov_rank=cfg.markov_rank, enable_confidence_head=cfg.confidence_head,
-                                    confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.markov_rank > 0,
-                                    bonus_anchor=cfg.bonus_anchor)
+    return DSparkConfig.from_dflash(base, markov_rank=shape.markov_rank, enable_confidence_head=shape.confidence_head,
+                                    confidence_head_with_markov=shape.confidence_head_with_markov and shape.markov_rank > 0,
+                                    bonus_anchor=shape.bonus_anchor)
 
 
 def train_config(ctx) -> TrainConfig:
@@ -88,11 +88,11 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     if cfg.features not in FEATURE_MODES:
         raise StageError(f"train.features={cfg.features!r}: use one of {list(FEATURE_MODES)}")
     info = read_target_info(ctx.input_marker("target"))
-    if cfg.features == "online" and wants_trained_head(info, cfg.mtp):
-        raise StageError("train.mtp with train.features=online: the MTP head trains on the target's final-normed "
-                         "last layer, which only the extract stage stores (offline); use train.features=offline "
-                         "or train.mtp=false")
-    dcfg = drafter_config(cfg, info)
+    shape = ctx.cfg.drafter
+    if shape.type == "mtp":
+        return main_mtp(ctx, cfg, info)
+    dcfg = drafter_config(shape, info)
+    loss_weights = effective_loss_weights(shape)
     if ctx.is_rank0:
         check_disk(ctx, dcfg, cfg, free_bytes)
     device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
@@ -113,21 +113,22 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             data_key = {"extract": sha256_file(index_path)}
         from draftforge.train.loop import make_objective
 
-        obj = make_objective(cfg, dcfg)
+        obj = make_objective(cfg, dcfg, loss_weights)
         if obj is not None and obj.needs_target and len(train_src[0]) < 4:
             where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
-            raise StageError(f"{where}: the {cfg.drafter_type} objective {obj.weights} needs the target's last-layer "
-                             "states, which these features do not carry; offline: rerun extract with this train "
-                             "config (draftforge.train.config.needs_last_layer decides what extract stores)")
+            raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "
+                             "states, which these features do not carry; offline: list this drafter in `drafters` and "
+                             "rerun extract (draftforge.drafter.settings.needs_last_layer decides what extract stores)")
         if val_src is None:
             log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
         resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
-                                  "drafter": dcfg.to_dict(), "target": info["fingerprint"], **data_key,
+                                  "drafter": dcfg.to_dict(), "loss_weights": loss_weights, "target": info["fingerprint"], **data_key,
                                   "global_batch": global_batch(cfg, ctx.world_size)})
         inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
                              ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
-                             rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"])
+                             rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
+                             loss_weights=loss_weights)
         run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
                       "global_batch": global_batch(cfg, ctx.world_size), "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
                       "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
@@ -135,12 +136,7 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             inputs.logger = run
             result = train(inputs)
             if ctx.is_rank0:
-                mtp = None
-                if wants_trained_head(info, cfg.mtp):
-                    from draftforge.train.mtp import run_mtp_training
-
-                    mtp = run_mtp_training(ctx, cfg, info, device, run)
-                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key, mtp)
+                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key)
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -153,11 +149,45 @@ FEATURE_MODES = ("offline", "online")
 # Knobs that do not change what is computed (a resumed run may change them freely).
 _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
                       "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors",
-                      "mtp", "mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
+                      "mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
-def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int, resume_key: str,
-            mtp: dict[str, Any] | None = None) -> None:
+def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
+    """The mtp branch: train the MiMo-form MTP head (target without MTP layers) into out_dir/mtp, or record that
+    the target's native MTP layer serves (nothing to train); metrics.json last."""
+    from draftforge.tracking import mlflow_run
+
+    mtp: dict[str, Any] | None = None
+    if wants_trained_head(info):
+        if cfg.features == "online":
+            raise StageError("drafter=mtp with train.features=online: the MTP head trains on the target's final-normed "
+                             "last layer, which only the extract stage stores (offline); use train.features=offline "
+                             "or drop mtp from `drafters`")
+        device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
+        init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
+        try:
+            with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}/mtp", params=ctx.params) as run:
+                if ctx.is_rank0:
+                    from draftforge.train.mtp import run_mtp_training
+
+                    mtp = run_mtp_training(ctx, cfg, info, device, run)
+                    if mtp.get("best"):
+                        run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
+            if ctx.world_size > 1:
+                dist.barrier()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if ctx.is_rank0:
+        write_json(ctx.out_dir / STAGE_MARKERS["train"], {
+            "target": info["name"], "target_fingerprint": info["fingerprint"], "drafter_type": "mtp",
+            "mtp_source": "trained" if mtp else "native", "mtp": mtp,
+        })  # fmt: skip
+        log.info("train: mtp head %s", "trained" if mtp else "native (the target's own MTP layer; nothing to train)")
+
+
+def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int,
+            resume_key: str) -> None:
     """Export the selected weights, then write metrics.json (the marker) last."""
     best = load_best(ctx.work_dir / "checkpoints")
     model = result.model
@@ -193,10 +223,8 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "val_curve": [{k: e[k] for k in ("step", "val_loss", "val_acc", "val_sim_tau")} for e in result.evals],
         "train_curve": result.history[:: max(1, len(result.history) // 200)],
         "drafter": dcfg.to_dict(),
-        "mtp": mtp,  # the trained MTP head (train.mtp on, target without MTP layers) or None
+        "drafter_type": ctx.cfg.drafter.type,
     }
-    if mtp and mtp.get("best"):
-        run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
     if result.best:
         run.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})
     write_json(ctx.out_dir / STAGE_MARKERS["train"], metrics)

@@ -1,0 +1,143 @@
+"""Typed config of the `drafter` group (conf/drafter/<name>.yaml) and the per-drafter branch rules (torch-free).
+
+An experiment lists the drafters it trains (`drafters: [dflash, dspark, mtp]`); `train`, `evaluate` and
+`baselines` run once per listed drafter (results/<exp>/<stage>/<name>/), composed with `drafter=<name>`,
+while `target`, `curate` and `extract` run once. The target fixes what every drafter shares (tapped
+layers, mask token: `target.drafter`); this group owns the drafter's shape and heads, so a block-size
+sweep reruns train and its descendants only.
+
+Branch rules, each owned here:
+  - `branch_methods`: the engine methods a branch measures (always `ar`, the speedup reference measured
+    in the same run, plus the methods that use this drafter);
+  - `branch_vllm_methods`: the same for vLLM; drafter-free baselines (n-gram, an external EAGLE-3 model)
+    ride with the dflash branch;
+  - `needs_last_layer`: whether extract stores the target's final-normed last layer (any listed drafter
+    or the train objective uses the target's next-token distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from draftforge.errors import ConfigError, check
+
+DRAFTER_TYPES = ("dflash", "dspark", "mtp")
+
+# Engine methods that use each drafter type (besides `ar`, which every branch measures).
+_ENGINE_METHODS = {
+    "dflash": ("dflash", "ddtree"),
+    "dspark": ("dspark", "ddtree", "ddtree_markov"),
+    "mtp": ("mtp",),
+}
+# The chain method of each type: what vLLM serves, so the train/serve parity check compares it.
+CHAIN_METHOD = {"dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
+# vLLM methods per drafter type; drafter-free ones (ngram, eagle3) ride with dflash.
+_VLLM_METHODS = {
+    "dflash": ("dflash", "ngram", "eagle3"),
+    "dspark": ("dspark",),
+    "mtp": ("mtp",),
+}
+
+
+@dataclass
+class DrafterConfig:
+    # The group option's name (conf/drafter/<name>.yaml); names the branch's folders. Set in each file.
+    name: str = "dflash"
+    # dflash: the block-diffusion drafter; dspark: DFlash backbone + Markov and confidence heads;
+    # mtp: the target's MTP layer (native) or a trained MTP head, no block drafter.
+    type: str = "dflash"
+    num_layers: int = 5
+    block_size: int = 16
+    # Sliding-window draft layers (the published Qwen3.6-27B drafter); 0 = all full attention.
+    sliding_window: int = 0
+    # DSpark heads (type dspark only).
+    markov_rank: int = 256  # Markov head rank (0: none)
+    confidence_head: bool = True
+    confidence_head_with_markov: bool = True  # the confidence head's input is [hidden; Markov embedding]
+    bonus_anchor: bool = False  # False = every slot predicts the next position (vLLM's default DSpark block)
+    # Objective: weights of the terms ce / kl / tv (tv = ½L1 to the target's next-token distribution).
+    # All null → the type's default (dflash: ce 1.0; dspark: tv 1.8 + ce 0.1, i.e. 0.9 × L1 + 0.1 × CE);
+    # any set → exactly those (unset ones 0). A DFlash drafter trained on the target's distribution is a
+    # drafter file with loss_tv / loss_kl set.
+    loss_ce: Optional[float] = None
+    loss_kl: Optional[float] = None
+    loss_tv: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        check(bool(self.name) and "/" not in self.name, "drafter.name", f"{self.name!r} must be a plain file name")
+        check(self.type in DRAFTER_TYPES, "drafter.type", f"{self.type!r}: use one of {list(DRAFTER_TYPES)}")
+        check(self.num_layers >= 1, "drafter.num_layers", f"{self.num_layers} must be >= 1")
+        check(self.block_size >= 2, "drafter.block_size", f"{self.block_size} must be >= 2")
+        check(self.sliding_window >= 0, "drafter.sliding_window", f"{self.sliding_window} must be >= 0")
+        check(self.markov_rank >= 0, "drafter.markov_rank", f"{self.markov_rank} must be >= 0")
+        for term in ("ce", "kl", "tv"):
+            w = getattr(self, f"loss_{term}")
+            check(w is None or w >= 0, f"drafter.loss_{term}", f"{w} must be >= 0")
+
+
+def branch_methods(drafter_type: str, methods: Iterable[str]) -> list[str]:
+    """The engine methods (of evaluate.methods, in their order) a branch of this drafter type runs."""
+    mine = ("ar", *_ENGINE_METHODS[drafter_type])
+    return [m for m in methods if m in mine]
+
+
+def branch_vllm_methods(drafter_type: str, methods: Iterable[str]) -> list[str]:
+    """The vLLM methods (of the enabled baselines.methods) a branch of this drafter type runs."""
+    mine = ("ar", *_VLLM_METHODS[drafter_type])
+    return [m for m in methods if m in mine]
+
+
+def default_loss_weights(drafter_type: str) -> dict[str, float]:
+    """dflash: CE against the data tokens; dspark: 0.9 × L1 + 0.1 × CE (tv = ½L1, so tv weight 1.8)."""
+    return {"tv": 1.8, "ce": 0.1} if drafter_type == "dspark" else {"ce": 1.0}
+
+
+def effective_loss_weights(drafter: Any) -> dict[str, float]:
+    """The objective's term weights: the drafter's own when any is set, else its type's default."""
+    given = {t: getattr(drafter, f"loss_{t}", None) for t in ("ce", "kl", "tv")}
+    if any(v is not None for v in given.values()):
+        return {t: float(v) for t, v in given.items() if v}
+    return default_loss_weights(drafter.type)
+
+
+def listed_drafters(cfg: Any, conf_dir: str | Path) -> dict[str, Any]:
+    """name → the DrafterConfig of every drafter the experiment lists, read from conf/drafter/<name>.yaml
+    (the branch currently composed keeps its command-line overrides). One clear error per bad name."""
+    from omegaconf import OmegaConf
+
+    names = list(cfg.drafters)
+    check(bool(names), "drafters", "empty; list at least one drafter of conf/drafter/ (e.g. [dflash])")
+    check(len(set(names)) == len(names), "drafters", f"{names} lists a drafter twice")
+    folder = Path(conf_dir) / "drafter"
+    known = sorted(p.stem for p in folder.glob("*.yaml"))
+    out: dict[str, Any] = {}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"drafters: {name!r} has no file {folder / (name + '.yaml')} (known: {known})")
+        if name == cfg.drafter.name:
+            out[name] = cfg.drafter
+            continue
+        raw = OmegaConf.to_container(OmegaConf.load(folder / f"{name}.yaml"), resolve=False)
+        try:
+            out[name] = OmegaConf.merge(OmegaConf.structured(DrafterConfig), raw or {})
+        except Exception as exc:  # noqa: BLE001 — an OmegaConf validation error: name the file
+            raise ConfigError(f"{folder / (name + '.yaml')}: {' '.join(str(exc).split())}") from None
+    return out
+
+
+def needs_last_layer(cfg: Any, conf_dir: str | Path | None = None) -> bool:
+    """Whether extract stores the target's final-normed last layer: a listed DSpark drafter, a trained MTP
+    head (target without MTP layers), or a distribution term (kl / tv) in any listed drafter's objective
+    reads it. `cfg` is the root config."""
+    if conf_dir is None:
+        from draftforge.paths import CONF_DIR
+
+        conf_dir = CONF_DIR
+    for d in listed_drafters(cfg, conf_dir).values():
+        w = effective_loss_weights(d)
+        trained_mtp = d.type == "mtp" and not int(cfg.target.mtp_layers or 0)
+        if d.type == "dspark" or trained_mtp or w.get("kl", 0) > 0 or w.get("tv", 0) > 0:
+            return True
+    return False
