@@ -63,15 +63,10 @@ def train_one(kind, model, items, val, args, device, taps):
                         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                         head_dim=c.head_dim, vocab_size=c.vocab_size, mask_token_id=3, target_layer_ids=list(taps),
                         block_size=args.block, target_num_layers=c.num_hidden_layers)
-    extra = {}
-    if kind == "dspark":
-        dcfg = DSparkConfig.from_dflash(base, markov_rank=args.rank)
-        extra = dict(drafter_type="dspark", markov_rank=args.rank)
-    else:
-        dcfg = base
+    dcfg = DSparkConfig.from_dflash(base, markov_rank=args.rank) if kind == "dspark" else base  # the type's objective
     cfg = TrainConfig(max_steps=args.steps, batch_seqs=8, num_anchors=64, lr=args.lr, eval_every=args.steps,
                       ckpt_every=10**9, log_every=10**9, val_max_seqs=16, val_num_anchors=64, init_from_target=False,
-                      prefetch=2, **extra)
+                      prefetch=2)
     head = FrozenTargetHead(model.get_input_embeddings().weight.detach().float(), model.lm_head.weight.detach().float())
     inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=InMemorySource(items), val_source=InMemorySource(val),
                       head=head.to(device), ckpt_dir=Path(args.work) / f"{kind}-{time.time_ns()}", resume_key=kind, device=device)

@@ -1,7 +1,7 @@
 """DDTree vs AR decode tokens/s on the real default-world target (CPU), measured in one run.
 
 Needs a finished `target` and `train` stage: results/<exp>/target/target.json and
-results/<exp>/train/drafter/. Runs AR, DFlash and DDTree (each budget) interleaved on the same
+results/<exp>/train/dflash/drafter/. Runs AR, DFlash and DDTree (each budget) interleaved on the same
 prompts of one eval set (T = 0), checks losslessness, prints tokens/s, τ and DDTree tok/s ÷ AR tok/s.
 
     python benchmarks/engine_cpu.py --experiment default --dataset humaneval --prompts 3 --budgets 16,32,64
@@ -46,7 +46,7 @@ def main() -> None:
     cfg = compose(args.experiment, overrides)
     root, exp = cfg.results_root, cfg.experiment_name
     info = read_target_info(stage_marker(root, exp, "target"))
-    drafter = load_drafter(stage_dir(root, exp, "train") / "drafter", dtype=torch.float32, attn_impl="sdpa")
+    drafter = load_drafter(stage_dir(root, exp, "train", "dflash") / "drafter", dtype=torch.float32, attn_impl="sdpa")
     tm = wrap_target(load_target_model(info), drafter.cfg.target_layer_ids)
     es = EngineSet(tm, drafter, load_tokenizer(info), [int(e) for e in info.get("eos_token_ids") or []], args.max_new_tokens)
     plan = method_plan(["ar", "dflash", "ddtree"], [int(b) for b in args.budgets.split(",")])

@@ -56,9 +56,10 @@ def target_spec(name: str, tiny: bool) -> tuple[RandomTargetConfig, list[int], i
         taps, n_draft, block = default_tap_ids(30, 5), 3, 16
     else:
         conf = yaml.safe_load((REPO / f"conf/target/{name}.yaml").read_text())
-        d = conf["drafter"]
-        spec = RandomTargetConfig(**conf["random"])
-        taps, n_draft, block = list(d["target_layer_ids"]), int(d["num_layers"]), int(d["block_size"])
+        t, shape = conf["target"], conf.get("drafter") or {}  # taps: the target's; layers/block: its drafter shape
+        spec = RandomTargetConfig(**t["random"])
+        taps = list(t["drafter"]["target_layer_ids"])
+        n_draft, block = int(shape.get("num_layers", 5)), int(shape.get("block_size", 16))
     if tiny:
         hybrid = spec.architecture.startswith("Qwen3_5")
         spec = RandomTargetConfig(architecture=spec.architecture, vocab_size=2048, hidden_size=128, intermediate_size=256,

@@ -47,7 +47,7 @@ def target_spec(tiny: bool) -> tuple[RandomTargetConfig, list[int]]:
         spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=2048, hidden_size=128,
                                   intermediate_size=256, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=32)
         return spec, [1, 2, 3, 4, 5]
-    return RandomTargetConfig(**conf["random"]), list(conf["drafter"]["target_layer_ids"])
+    return RandomTargetConfig(**conf["target"]["random"]), list(conf["target"]["drafter"]["target_layer_ids"])
 
 
 def make_plan(n_tokens: int, min_len: int, max_len: int, tokens_per_shard: int, vocab: int, seed: int, on_load=None):

@@ -90,7 +90,7 @@ def run_world(args: argparse.Namespace, n: int, work: Path) -> dict:
     extract_wall = snakemake(root, "extract", overrides, args.cores)
     index = json.loads((root / "scale" / "extract" / "index.json").read_text())
     train_wall = snakemake(root, "train", overrides, args.cores)
-    metrics = json.loads((root / "scale" / "train" / "metrics.json").read_text())
+    metrics = json.loads((root / "scale" / "train" / "dflash" / "metrics.json").read_text())
     return {
         "n": n, "tokens": tokens, "extract_wall_s": extract_wall, "train_wall_s": train_wall,
         "extract_tokens_per_s": index["throughput"]["tokens_per_s_total"],

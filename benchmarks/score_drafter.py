@@ -20,7 +20,6 @@ from _out import write_record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.export import load_drafter  # noqa: E402
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.features import open_features  # noqa: E402
@@ -31,6 +30,7 @@ from draftforge.train.loop import TrainInputs, evaluate  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--exp", default="default")
+    p.add_argument("--drafter", default="dflash", help="the drafter branch (results/<exp>/train/<drafter>/)")
     p.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     p.add_argument("--val-seqs", type=int, default=1_000_000, help="val sequences scored (default: all)")
     p.add_argument("--anchors", type=int, default=32, help="anchors per val sequence")
@@ -38,12 +38,12 @@ def main() -> None:
     args = p.parse_args()
     exp = args.results / args.exp
     info = json.loads((exp / "target" / "target.json").read_text())
-    dcfg = DFlashConfig.from_target(info)
     dtype = getattr(torch, args.dtype)
     _, val = open_features(exp / "extract", info, dtype=torch.float32)
     if val is None:
         raise SystemExit(f"{exp / 'extract'}: no val split")
-    model = load_drafter(exp / "train" / "drafter", dtype=torch.float32)
+    model = load_drafter(exp / "train" / args.drafter / "drafter", dtype=torch.float32)
+    dcfg = model.cfg
     head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype)
     cfg = replace(TrainConfig(), val_max_seqs=args.val_seqs, val_num_anchors=args.anchors, max_seq_len=1024)
     inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=val, val_source=val, head=head, ckpt_dir=Path("."), resume_key="")

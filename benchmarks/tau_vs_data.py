@@ -63,8 +63,8 @@ def run_stage(stage: str, experiment: str, root: Path, overrides: list[str]) -> 
 
 
 def summarize(n: int, exp_dir: Path) -> dict[str, Any]:
-    metrics = json.loads((exp_dir / "train" / "metrics.json").read_text())
-    rows = json.loads((exp_dir / "evaluate" / "evaluate.json").read_text())["rows"]
+    metrics = json.loads((exp_dir / "train" / "dflash" / "metrics.json").read_text())
+    rows = json.loads((exp_dir / "evaluate" / "dflash" / "evaluate.json").read_text())["rows"]
     out: dict[str, Any] = {"n_train": n, "steps": metrics["steps"], "val_sim_tau": (metrics.get("best") or {}).get("val_sim_tau"),
                            "val_loss": (metrics.get("best") or {}).get("val_loss"), "datasets": {}}  # fmt: skip
     for r in rows:
@@ -156,7 +156,7 @@ def main() -> None:
         if n in reuse:
             continue
         exp_dir = args.out / f"n{n}" / args.experiment
-        if (exp_dir / "evaluate" / "evaluate.json").is_file():
+        if (exp_dir / "evaluate" / "dflash" / "evaluate.json").is_file():
             print(f"n={n}: done before", flush=True)
             continue
         (exp_dir / "target").mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ def main() -> None:
     results = []
     for n in sorted({int(s) for s in args.sizes.split(",") if s} | set(reuse)):
         exp_dir = (reuse[n] if n in reuse else args.out / f"n{n}") / args.experiment
-        if (exp_dir / "evaluate" / "evaluate.json").is_file():
+        if (exp_dir / "evaluate" / "dflash" / "evaluate.json").is_file():
             results.append(summarize(n, exp_dir))
     if not results:
         raise SystemExit("no size has finished yet")

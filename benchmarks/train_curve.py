@@ -139,6 +139,15 @@ def run_setting(
     }
 
 
+def drafter_section(target_name: str):
+    """The dflash drafter section the stages compose for this target (its conf/target file's shape)."""
+    from omegaconf import OmegaConf
+
+    from draftforge.config import compose
+
+    return OmegaConf.to_object(compose("default", [f"target={target_name}"]).drafter)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--curate", type=Path, required=True, help="results/default/curate")
@@ -180,7 +189,7 @@ def main() -> None:
     else:
         raise SystemExit("give --gguf or --hf-dir")
     info = {**info, "hf_path": str(hf_dir)}
-    dcfg = DFlashConfig.from_target(info)
+    dcfg = DFlashConfig.from_target(info, drafter_section(info["name"]))
     t0 = time.perf_counter()
     train_rows, val_rows = (
         read_split(args.curate, "train"),

@@ -51,9 +51,10 @@ def export_random_drafter(info: dict, out_dir: Path, seed: int = 0) -> Path:
     """A random DFlash drafter for `info`'s target, exported in vLLM's dflash layout (fp32)."""
     import torch
 
+    from drafter_fixtures import drafter_of
     from draftforge.drafter import DFlashConfig, DFlashDrafter, export_drafter
 
     torch.manual_seed(seed)
-    cfg = DFlashConfig.from_target(info)
+    cfg = DFlashConfig.from_target(info, drafter_of(str(info["name"])))
     model = DFlashDrafter(cfg)
     return export_drafter(model, cfg, out_dir, dtype=torch.float32)

@@ -17,11 +17,13 @@ from draftforge.target.stage import resolve_target
 
 def tiny_pipeline(results_root: Path, experiment: str = "smoke", drafter_std: float = 0.3, dspark_rank: int = 0) -> dict:
     """target.json (tiny-random Llama) + an exported random drafter + train marker. Returns target info.
-    dspark_rank > 0: a DSpark drafter with a random (non-zero) Markov head of that rank."""
-    cfg = compose(experiment, ["target=tiny-random", f"results_root={results_root}"])
+    dspark_rank > 0: a DSpark drafter with a random (non-zero) Markov head of that rank, in the dspark branch
+    (evaluate then runs with drafter=dspark); else the dflash branch."""
+    branch = "dspark" if dspark_rank else "dflash"
+    cfg = compose(experiment, ["target=tiny-random", f"results_root={results_root}", f"drafter={branch}"])
     info = resolve_target(cfg.target, results_root)
     write_json(stage_marker(results_root, cfg.experiment_name, "target"), info)
-    dcfg = DFlashConfig.from_target(info)
+    dcfg = DFlashConfig.from_target(info, cfg.drafter)
     torch.manual_seed(0)
     if dspark_rank:
         from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
@@ -33,6 +35,6 @@ def tiny_pipeline(results_root: Path, experiment: str = "smoke", drafter_std: fl
     else:
         drafter = DFlashDrafter(dcfg)
         drafter.reset_parameters(std=drafter_std)
-    export_drafter(drafter, dcfg, stage_dir(results_root, cfg.experiment_name, "train") / "drafter", dtype=torch.float32)
-    write_json(stage_marker(results_root, cfg.experiment_name, "train"), {"note": "test fixture"})
+    export_drafter(drafter, dcfg, stage_dir(results_root, cfg.experiment_name, "train", branch) / "drafter", dtype=torch.float32)
+    write_json(stage_marker(results_root, cfg.experiment_name, "train", branch), {"note": "test fixture"})
     return info

@@ -46,7 +46,9 @@ def synthetic_items(info: dict, n_seq: int, seed: int = 0, min_len: int = 24, ma
 
 
 def make_inputs(info: dict, cfg: TrainConfig, train_items, val_items, ckpt_dir: Path, rank: int = 0, world: int = 1, resume_key: str = "test") -> TrainInputs:
-    dcfg = DFlashConfig.from_target(info)
+    from drafter_fixtures import drafter_of
+
+    dcfg = DFlashConfig.from_target(info, drafter_of(str(info["name"])))
     return TrainInputs(
         cfg=cfg,
         dcfg=dcfg,

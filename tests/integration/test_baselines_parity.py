@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
@@ -67,7 +69,7 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
     from draftforge.engine import generate_dflash, wrap_target
 
     info = tiny_target_info
-    B = info["drafter"]["block_size"]
+    B = drafter_of().block_size
     root = tmp_path / "results"
     write_json(root / EXP / "target" / "target.json", info)
     prompt = _first_prompt_ids(info)
@@ -78,7 +80,7 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
     n_new = N_GEN - B
     ours = generate_dflash(wrap_target(target, info["drafter"]["target_layer_ids"]), load_drafter(drafter_dir), prompt, n_new)
     assert ours.tokens == cont[:n_new]
-    evaluate_json = root / EXP / "evaluate" / "evaluate.json"
+    evaluate_json = root / EXP / "evaluate" / "dflash" / "evaluate.json"
     write_json(evaluate_json, {"engine": "draftforge", "rows": [
         {"dataset": "humaneval", "method": "dflash", "budget": None, "engine": "draftforge", "temperature": 0.0,
          "tau": ours.tau, "n_prompts": 1}]})  # fmt: skip
@@ -87,14 +89,13 @@ def test_vllm_dflash_tau_matches_standalone(tiny_target_info, tmp_path):
         f"experiment={EXP}", f"results_root={root}", "target=tiny-random", "tracking.enabled=false",
         "baselines.datasets=[humaneval]", "baselines.num_prompts=1", f"baselines.max_new_tokens={n_new}",
         "baselines.ignore_eos=true", "baselines.kv_cache_gib=0.0625", "baselines.methods.ngram.enabled=false",
-        "baselines.methods.mtp.enabled=false", "baselines.methods.dspark.enabled=false",
         f"baselines.methods.dflash.model={drafter_dir}"])  # fmt: skip
-    marker = json.loads((root / EXP / "baselines" / "baselines.json").read_text())
+    marker = json.loads((root / EXP / "baselines" / "dflash" / "baselines.json").read_text())
     rows = {r["method"]: r for r in marker["rows"]}
     assert rows["dflash"]["status"] == "ok" and rows["dflash"]["lossless_mismatches"] == 0
-    dflash = json.loads((root / EXP / "baselines" / "dflash.json").read_text())
+    dflash = json.loads((root / EXP / "baselines" / "dflash" / "dflash.json").read_text())
     assert dflash["segments"][0]["prompts"][0]["token_ids"] == cont[:n_new]
-    block = parity_block(collect_rows(evaluate_json, root / EXP / "baselines" / "baselines.json"), 0.05)
+    block = parity_block(collect_rows([evaluate_json], [root / EXP / "baselines" / "dflash" / "baselines.json"]), 0.05)
     parity = block["datasets"]["humaneval"]
     print("parity:", parity)
     assert parity["standalone_tau"] == pytest.approx(ours.tau) and parity["vllm_tau"] == pytest.approx(rows["dflash"]["tau"])

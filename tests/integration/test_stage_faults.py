@@ -43,7 +43,7 @@ def test_drafter_of_another_target_is_refused(tmp_path, capsys, stage):
 
     root = tmp_path / "results"
     tiny_pipeline(root)
-    cfg_path = root / "smoke" / "train" / "drafter" / "config.json"
+    cfg_path = root / "smoke" / "train" / "dflash" / "drafter" / "config.json"
     hf = json.loads(cfg_path.read_text())
     hf["draftforge"] = {"target": "qwen3-8b", "target_fingerprint": "f" * 64}  # same shape, another target
     cfg_path.write_text(json.dumps(hf))
@@ -55,7 +55,7 @@ def test_drafter_of_another_target_is_refused(tmp_path, capsys, stage):
     assert exc.value.code == 2
     line = _one_error_line(capsys, stage)
     assert str(cfg_path) in line and "trained for another target" in line and "'qwen3-8b'" in line, line
-    assert not (root / "smoke" / stage / f"{stage}.json").exists()
+    assert not (root / "smoke" / stage / "dflash" / f"{stage}.json").exists()
 
 
 # What every stage does at its start on rank 0: open its MLflow run on <results_root>/mlflow.db.
@@ -100,7 +100,7 @@ def test_full_disk_and_killed_train(tmp_path, capsys, tiny_target_info):
     write_extract_index(root / "smoke" / "extract", {"train": items[:4], "val": items[4:]}, tiny_target_info)
     args = ["experiment=smoke", "target=tiny-random", f"results_root={root}", "train.num_anchors=8", "train.batch_seqs=2",
             "train.val_max_seqs=2", "train.val_num_anchors=8", "train.ckpt_every=1", "train.eval_every=2", "train.log_every=1"]  # fmt: skip
-    ckpts = root / "smoke" / ".work" / "train" / "checkpoints"
+    ckpts = root / "smoke" / ".work" / "train" / "dflash" / "checkpoints"
     proc = subprocess.Popen([PY, "-m", "draftforge.train", *args, "train.max_steps=100000"], start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 240
@@ -118,10 +118,10 @@ def test_full_disk_and_killed_train(tmp_path, capsys, tiny_target_info):
     assert exc.value.code == 2
     line = _one_error_line(capsys, "train")
     assert f"{ckpts}: not enough disk for training checkpoints and the export" in line and "1000 B is free" in line, line
-    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == kept and not (root / "smoke" / "train" / "metrics.json").exists()
+    assert sorted(p.name for p in ckpts.glob("step-*.pt")) == kept and not (root / "smoke" / "train" / "dflash" / "metrics.json").exists()
 
     run_stage("train", train_main, [*args, "train.max_steps=2"])
-    assert (root / "smoke" / "train" / "metrics.json").is_file()
+    assert (root / "smoke" / "train" / "dflash" / "metrics.json").is_file()
     assert _train_runs(root / "mlflow.db") == ["KILLED", "FINISHED"]
 
 
@@ -154,7 +154,8 @@ def test_bad_input_is_one_line(tmp_path, capsys, tiny_target_info, case):
     assert exc.value.code == 2
     line = _one_error_line(capsys, stage)
     assert want in line, line
-    assert not (root / "smoke" / stage / ("evaluate.json" if stage == "evaluate" else "target.json")).exists()
+    assert not (root / "smoke" / "evaluate" / "dflash" / "evaluate.json").exists()
+    assert not (root / "smoke" / "target" / "target.json").exists() or stage == "evaluate"
 
 
 def test_jsonl_with_one_bad_byte_drops_only_that_line(tmp_path):

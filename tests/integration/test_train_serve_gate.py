@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
@@ -66,7 +68,7 @@ def test_overfit_drafter_gets_full_blocks_accepted_in_vllm(tiny_target_info, tmp
     from draftforge.drafter.export import export_drafter
 
     info = tiny_target_info
-    B = info["drafter"]["block_size"]
+    B = drafter_of().block_size
     result, cont = overfit_drafter(info, tmp_path)
     assert result.evals[-1]["val_acc"] >= 0.98, result.evals[-1]  # memorized under our own metric
     export_drafter(result.model, result.model.cfg, tmp_path / "drafter", dtype=torch.float32)

@@ -43,7 +43,7 @@ def test_stage_trains_exports_and_resumes(tiny_target_info, items, tmp_path):
     _world(tmp_path, tiny_target_info, items)
     proc = _run([PY, "-m", "draftforge.train"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "smoke" / "train"
+    out = tmp_path / "smoke" / "train" / "dflash"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 6 and [e["step"] for e in metrics["val_curve"]] == [3, 6]
     assert metrics["selected"].startswith("best val_sim_tau")
@@ -61,7 +61,7 @@ def test_stage_trains_exports_and_resumes(tiny_target_info, items, tmp_path):
     for key in ("loss", "lr", "grad_norm", "block_tokens_per_s", "val_sim_tau", "val_acc_slot_1", "best_val_sim_tau"):
         assert key in logged, key
     assert len(client.get_metric_history(run.info.run_id, "val_sim_tau")) == 2
-    assert (tmp_path / "smoke" / ".work" / "train" / "checkpoints" / "latest").is_file()
+    assert (tmp_path / "smoke" / ".work" / "train" / "dflash" / "checkpoints" / "latest").is_file()
     # rerun: everything is in the checkpoint, nothing is retrained
     again = _run([PY, "-m", "draftforge.train"], tmp_path)
     assert again.returncode == 0 and "resuming from" in again.stderr
@@ -72,7 +72,7 @@ def test_stage_under_torchrun_two_gloo_processes(tiny_target_info, items, tmp_pa
     proc = _run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftforge.train",
                  "train.cpu_procs=2"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((tmp_path / "smoke" / "train" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "smoke" / "train" / "dflash" / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == 6
 
 
@@ -80,7 +80,7 @@ def test_stage_under_torchrun_two_gloo_processes(tiny_target_info, items, tmp_pa
 def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_path, kind):
     kw = {"fingerprint": "0" * 64} if kind == "fingerprint" else {"taps": [0, 3]}
     _world(tmp_path, tiny_target_info, items, **kw)
-    keep = tmp_path / "smoke" / "train" / "drafter" / "keep.txt"
+    keep = tmp_path / "smoke" / "train" / "dflash" / "drafter" / "keep.txt"
     keep.parent.mkdir(parents=True)
     keep.write_text("earlier output")
     proc = _run([PY, "-m", "draftforge.train"], tmp_path)
@@ -88,7 +88,7 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     err = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(err) == 1 and "index.json" in err[0] and ("target" in err[0] or "tapped layers" in err[0]), proc.stderr[-2000:]
     assert keep.read_text() == "earlier output"
-    assert not (tmp_path / "smoke" / "train" / "metrics.json").exists()
+    assert not (tmp_path / "smoke" / "train" / "dflash" / "metrics.json").exists()
 
 
 def _with_last(info, items):
@@ -106,13 +106,13 @@ def _with_last(info, items):
 
 
 def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
-    """train.mtp=true: features carry `last_hidden` (the final-normed last layer); the stage also trains an
-    MTP head and exports it in vLLM's MiMo MTP format (train/mtp/), loadable as the engine's head. Without
-    `last_hidden`: one StageError naming the switch; with train.features=online: one StageError."""
+    """The mtp branch (drafter=mtp): features carry `last_hidden` (the final-normed last layer); the stage trains
+    an MTP head only and exports it in vLLM's MiMo MTP format (train/mtp/mtp/), loadable as the engine's head.
+    Without `last_hidden`: one StageError naming the rule; with train.features=online: one StageError."""
     from draftforge.drafter.mtp import load_mtp_head
 
-    mtp_args = [PY, "-m", "draftforge.train", "train.max_steps=2", "train.mtp=true", "train.mtp_steps=6",
-                "train.mtp_eval_every=3", "train.mtp_rows=16"]
+    mtp_args = [PY, "-m", "draftforge.train", "drafter=mtp", "train.mtp_steps=6", "train.mtp_eval_every=3",
+                "train.mtp_rows=16"]
     _world(tmp_path, tiny_target_info, items)
     bad = _run(mtp_args, tmp_path)
     assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1], bad.stderr[-2000:]
@@ -121,7 +121,8 @@ def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
     _world(tmp_path, tiny_target_info, _with_last(tiny_target_info, items))
     proc = _run(mtp_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "smoke" / "train"
+    out = tmp_path / "smoke" / "train" / "mtp"
+    assert not (out / "drafter").exists()  # the mtp branch trains no block drafter
     mtp = json.loads((out / "metrics.json").read_text())["mtp"]
     assert mtp["steps"] == 6 and [e["step"] for e in mtp["val_curve"]] == [3, 6] and mtp["format"] == "mimo"
     cfg = json.loads((out / "mtp" / "config.json").read_text())
@@ -131,7 +132,7 @@ def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
 
 
 def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
-    """train.drafter_type=dspark on features with the target's last layer → a DSpark export with analytic metrics;
+    """drafter=dspark on features with the target's last layer → a DSpark export with analytic metrics;
     the same features without the last layer → one StageError naming the switch."""
     import torch
 
@@ -143,12 +144,12 @@ def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_
         with torch.no_grad():
             with_last.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
     _world(tmp_path, tiny_target_info, items)
-    bad = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    bad = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
     assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1]
     _world(tmp_path, tiny_target_info, with_last)
-    proc = _run([PY, "-m", "draftforge.train", "train.drafter_type=dspark", "train.markov_rank=8"], tmp_path)
+    proc = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "smoke" / "train"
+    out = tmp_path / "smoke" / "train" / "dspark"
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["markov_rank"] == 8 and cfg["sample_from_anchor"] is True
     metrics = json.loads((out / "metrics.json").read_text())

@@ -40,11 +40,12 @@ def ran(tmp_path_factory) -> dict:
     tiny_pipeline(root)
     for stage, name in (("curate", "manifest.json"), ("extract", "index.json")):
         write_json(root / "smoke" / stage / name, {"note": "test fixture"})
-    for i, rel in enumerate(("target/target.json", "curate/manifest.json", "extract/index.json", "train/metrics.json")):
+    for i, rel in enumerate(("target/target.json", "curate/manifest.json", "extract/index.json", "train/dflash/metrics.json")):
         os.utime(root / "smoke" / rel, (1e9 + i, 1e9 + i))  # upstream finished in order: only evaluate/baselines run
     fake = fake_vllm(base / "novllm", "raise ImportError('no vLLM in this test')\n")  # baselines records skips, fast
     env = workflow_env(PYTHONPATH=str(fake))
-    targets = [str(root / "smoke" / "evaluate" / "evaluate.json"), str(root / "smoke" / "baselines" / "baselines.json")]
+    targets = [str(root / "smoke" / "evaluate" / "dflash" / "evaluate.json"),
+               str(root / "smoke" / "baselines" / "dflash" / "baselines.json")]
     args = [*targets, "--cores", "8", "--set-threads", "evaluate=2", "baselines=2", "--rerun-triggers", "mtime",
             "--config", "experiment=smoke", f"results_root={root}", "overrides=" + json.dumps(OVERRIDES)]  # fmt: skip
     # First a run killed mid-job (a closed terminal): it leaves Snakemake's lock behind.
@@ -74,9 +75,9 @@ def test_results_root_with_a_space_is_quoted(ran):
     _ok(ran)
     assert ran["stray"].read_text() == "the user's file\n"
     for stage in ("evaluate", "baselines"):
-        log = (ran["root"] / "smoke" / "logs" / f"{stage}.log").read_text()
+        log = (ran["root"] / "smoke" / "logs" / f"{stage}-dflash.log").read_text()
         assert f"draftforge.{stage}" in log, log[-2000:]  # the stage's own output went to its log
-    assert (ran["root"] / "smoke" / "evaluate" / "evaluate.json").is_file()
+    assert (ran["root"] / "smoke" / "evaluate" / "dflash" / "evaluate.json").is_file()
 
 
 def test_bare_snakemake_uses_the_project_profile(ran):

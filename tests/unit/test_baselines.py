@@ -204,7 +204,7 @@ def test_prompts_rendered_with_chat_template(tiny_target_info):
 
 def test_mtp_spec_native_or_trained(tmp_path):
     """mtp: native layers → vLLM's own MTP; else the train stage's head in MiMo format as the draft model,
-    with the target's config given one MTP layer; neither → a recorded skip naming train.mtp."""
+    with the target's config given one MTP layer; neither → a recorded skip saying so."""
     import json
 
     from draftforge.baselines.spec import worker_spec
@@ -213,7 +213,7 @@ def test_mtp_spec_native_or_trained(tmp_path):
     native = plan_method("mtp", cfg.methods.mtp, {**INFO, "mtp_layers": 1}, None, trained_mtp_dir=tmp_path / "absent")
     assert native.source == "native" and native.llm_overrides is None
     skip = plan_method("mtp", cfg.methods.mtp, INFO, None, trained_mtp_dir=tmp_path / "absent")
-    assert "train.mtp=false" in skip.skip_reason
+    assert "no trained MTP head" in skip.skip_reason
     head = tmp_path / "mtp"
     head.mkdir()
     (head / "config.json").write_text(json.dumps({"architectures": ["MiMoForCausalLM"], "hidden_size": 128}))

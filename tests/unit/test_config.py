@@ -48,6 +48,11 @@ def test_every_experiment_and_target_composes(experiment: str, target: str) -> N
         ("curate.sources=[]", "curate.sources"),
         ("baselines.concurrency=[0]", "baselines.concurrency"),
         ("extract.storage_dtype=int4", "extract.storage_dtype"),
+        ("drafter.block_size=1", "drafter.block_size"),
+        ("drafter.type=medusa", "drafter.type"),
+        ("drafters=[dflash,nope]", "drafters: 'nope'"),
+        ("drafters=[]", "drafters"),
+        ("drafter=nope", "nope"),
     ],
 )
 def test_bad_config_names_the_key(override: str, named: str) -> None:

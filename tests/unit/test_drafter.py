@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of, tiny_shape
 from draftforge.drafter import DFlashConfig, DFlashDrafter
 from draftforge.drafter.attention import HAS_FLEX, dense_block_mask, flex_block_mask
 from draftforge.drafter.export import check_keys, expected_keys, export_drafter, load_drafter
@@ -138,22 +139,24 @@ def test_training_forward_equals_incremental_draft_with_cache_crop(model):
 
 
 def test_config_from_target_and_hf_round_trip(tiny_target_info):
-    cfg = DFlashConfig.from_target(tiny_target_info)
-    d = tiny_target_info["drafter"]
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.block_size) == (tiny_target_info["hidden_size"], d["num_layers"], d["block_size"])
+    shape = drafter_of()  # tiny-random's drafter section: 1 layer, block 8
+    cfg = DFlashConfig.from_target(tiny_target_info, shape)
+    d = tiny_target_info["drafter"]  # what the target fixes: taps, mask token
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.block_size) == (tiny_target_info["hidden_size"], 1, 8) == (
+        tiny_target_info["hidden_size"], shape.num_layers, shape.block_size)
     assert cfg.target_layer_ids == d["target_layer_ids"] and cfg.feature_dim == len(d["target_layer_ids"]) * cfg.hidden_size
     hf = cfg.to_hf_dict()
     assert hf["architectures"] == ["DFlashDraftModel"] and hf["model_type"] == "qwen3"
     assert hf["dflash_config"] == {"mask_token_id": d["mask_token_id"], "target_layer_ids": d["target_layer_ids"]}
     assert set(hf["layer_types"]) == {"full_attention"} and "eagle_config" not in hf
     assert DFlashConfig.from_hf_dict(hf) == cfg
-    windowed = DFlashConfig.from_target({**tiny_target_info, "drafter": {**d, "num_layers": 3, "sliding_window": 16}})
+    windowed = DFlashConfig.from_target(tiny_target_info, tiny_shape(num_layers=3, sliding_window=16))
     hf = windowed.to_hf_dict()
     assert hf["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
     assert hf["sliding_window"] == 16 and hf["use_sliding_window"] is True
     assert DFlashConfig.from_hf_dict(hf) == windowed
     with pytest.raises(StageError, match="mask_token_id"):
-        DFlashConfig.from_target({**tiny_target_info, "drafter": {**d, "mask_token_id": 10**6}})
+        DFlashConfig.from_target({**tiny_target_info, "drafter": {**d, "mask_token_id": 10**6}}, shape)
 
 
 def test_export_round_trip_and_key_check(model, tmp_path):
@@ -182,7 +185,7 @@ def test_export_round_trip_and_key_check(model, tmp_path):
 def test_warm_start_copies_target_layers(tiny_target_info):
     from draftforge.drafter.warm_start import init_from_target, read_tensors
 
-    cfg = DFlashConfig.from_target(tiny_target_info)
+    cfg = DFlashConfig.from_target(tiny_target_info, drafter_of())
     m = DFlashDrafter(cfg)
     used = init_from_target(m, tiny_target_info["hf_path"])
     assert used == list(range(cfg.target_num_layers - cfg.num_hidden_layers, cfg.target_num_layers))

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from drafter_fixtures import drafter_of  # noqa: E402
 from draftforge.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
 from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter  # noqa: E402
 from draftforge.drafter.export import export_drafter  # noqa: E402
-from draftforge.train.config import TrainConfig, needs_last_layer  # noqa: E402
+from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.data import collate  # noqa: E402
 from draftforge.train.loop import build_model, train  # noqa: E402
 from train_fixtures import load_target, make_inputs, synthetic_items  # noqa: E402
@@ -48,8 +49,7 @@ def test_collate_dspark_convention():
 
 def test_dspark_loss_decreases_with_analytic_metrics(tiny_target_info, items, tmp_path):
     cfg = TrainConfig(max_steps=24, batch_seqs=2, num_anchors=8, lr=3e-3, eval_every=12, ckpt_every=24, log_every=4,
-                      val_max_seqs=2, val_num_anchors=8, init_from_target=False, drafter_type="dspark",
-                      markov_rank=16, loss_vocab_chunk=100)
+                      val_max_seqs=2, val_num_anchors=8, init_from_target=False, loss_vocab_chunk=100)
     res = train(_dspark_inputs(tiny_target_info, cfg, items, tmp_path, markov_rank=16))
     losses = [h["loss"] for h in res.history]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
@@ -62,17 +62,19 @@ def test_dspark_loss_decreases_with_analytic_metrics(tiny_target_info, items, tm
 
 def test_dflash_can_train_on_the_target_distribution(tiny_target_info, items, tmp_path):
     cfg = TrainConfig(max_steps=2, batch_seqs=2, num_anchors=4, eval_every=2, ckpt_every=2, val_max_seqs=1,
-                      val_num_anchors=4, init_from_target=False, loss_kl=1.0, loss_ce=0.5)
-    res = train(make_inputs(tiny_target_info, cfg, items[:4], items[6:7], tmp_path))
+                      val_num_anchors=4, init_from_target=False)
+    inp = make_inputs(tiny_target_info, cfg, items[:4], items[6:7], tmp_path)
+    inp.loss_weights = {"kl": 1.0, "ce": 0.5}  # a dflash drafter file with loss_kl / loss_ce set
+    res = train(inp)
     assert "val_analytic_tau" in res.evals[-1] and isinstance(res.model, DFlashDrafter)
 
 
 def test_warm_start_from_a_dflash_drafter(tiny_target_info, items, tmp_path):
     torch.manual_seed(3)
-    dcfg = DFlashConfig.from_target(tiny_target_info)
+    dcfg = DFlashConfig.from_target(tiny_target_info, drafter_of())
     src = DFlashDrafter(dcfg)
     export_drafter(src, dcfg, tmp_path / "dflash", dtype=torch.float32)
-    cfg = TrainConfig(init_from=str(tmp_path / "dflash"), drafter_type="dspark", markov_rank=8)
+    cfg = TrainConfig(init_from=str(tmp_path / "dflash"))
     model = build_model(_dspark_inputs(tiny_target_info, cfg, items, tmp_path, markov_rank=8))
     assert isinstance(model, DSparkDrafter)
     for k, v in src.state_dict().items():
@@ -80,10 +82,19 @@ def test_warm_start_from_a_dflash_drafter(tiny_target_info, items, tmp_path):
 
 
 def test_needs_last_layer_switch():
-    class Root:
-        def __init__(self, **kw):
-            self.train = TrainConfig(**kw)
+    """Extract stores the last layer iff a listed drafter reads it; it is tracked as a derived value, so adding a
+    drafter that does not read it leaves extract's params (and so Snakemake's rerun decision) unchanged."""
+    from draftforge.config import compose, stage_params
+    from draftforge.drafter.settings import needs_last_layer
 
-    assert not needs_last_layer(Root())
-    assert needs_last_layer(Root(drafter_type="dspark"))
-    assert needs_last_layer(Root(loss_tv=1.0))
+    def cfg(*o):
+        return compose("smoke", ["target=tiny-random", *o])
+
+    assert not needs_last_layer(cfg("drafters=[dflash]"))
+    assert needs_last_layer(cfg("drafters=[dflash,dspark]"))
+    assert needs_last_layer(cfg("drafters=[dflash]", "drafter.loss_tv=1.0"))  # DFlash on the target's distribution
+    assert needs_last_layer(cfg("drafters=[mtp]"))  # a trained MTP head reads the last layer
+    assert not needs_last_layer(cfg("drafters=[mtp]", "target.mtp_layers=1"))  # native MTP: nothing to train
+    plain = stage_params(cfg("drafters=[dflash]"), "extract")
+    assert plain["derived"] == {"stores_last_layer": False} and "drafters" not in plain
+    assert stage_params(cfg("drafters=[dflash,dspark]"), "extract") != plain

@@ -53,8 +53,9 @@ def test_aggregate_definitions():
 
 
 def test_mtp_method_trained_head_and_missing_head(tmp_path, capsys):
-    """`mtp` in evaluate.methods: one clear error line without a head; with the train stage's trained
-    head (train/mtp) the rows carry MTP, lossless at T=0, named by their source."""
+    """The mtp branch: one clear error line without a head; with its train branch's trained head
+    (train/mtp/mtp) the rows carry AR and MTP only (drafter.settings.branch_methods), lossless at T=0,
+    named by their source and branch."""
     import json
     import sys
 
@@ -63,14 +64,16 @@ def test_mtp_method_trained_head_and_missing_head(tmp_path, capsys):
     from evaluate_fixtures import tiny_pipeline
 
     info = tiny_pipeline(tmp_path)
-    args = _args(tmp_path, "evaluate.methods=[ar,mtp]", "evaluate.mtp_drafts=2", "evaluate.datasets=[chitchat]")
+    args = _args(tmp_path, "drafter=mtp", "evaluate.methods=[ar,dflash,ddtree,mtp]", "evaluate.mtp_drafts=2",
+                 "evaluate.datasets=[chitchat]")
     with pytest.raises(SystemExit):
         run_stage("evaluate", main, argv=args)
     assert "evaluate.methods: 'mtp' needs an MTP head" in capsys.readouterr().err
     head, _ = new_trained_head(info["hf_path"])
-    export_mimo_head(head, tmp_path / "smoke" / "train" / "mtp", info["hf_path"], dtype=__import__("torch").float32)
+    export_mimo_head(head, tmp_path / "smoke" / "train" / "mtp" / "mtp", info["hf_path"], dtype=__import__("torch").float32)
     run_stage("evaluate", main, argv=args)
-    rows = json.loads((tmp_path / "smoke" / "evaluate" / "evaluate.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "smoke" / "evaluate" / "mtp" / "evaluate.json").read_text())["rows"]
     mtp = [r for r in rows if r["method"] == "mtp"]
     assert [r["method"] for r in rows] == ["ar", "mtp"] and mtp[0]["mtp_source"] == "trained"
+    assert {r["drafter"] for r in rows} == {"mtp"}
     assert mtp[0]["lossless_mismatches"] == 0 and mtp[0]["tau"] >= 1.0

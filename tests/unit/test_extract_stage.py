@@ -197,12 +197,12 @@ def test_stage_refuses_bad_taps_in_target_json(tmp_path, tiny_target_info):
 
 
 def test_train_mtp_stores_the_last_layer(tmp_path, tiny_target_info):
-    """train.mtp=true → the same single last-layer mechanism as DSpark: the taps stay the drafter's and
+    """An mtp drafter branch (trained head) → the same single last-layer mechanism as DSpark: the taps stay and
     the shards carry `last_hidden` (the final-normed last layer) as the train source's 4th element."""
     from draftforge.train.features import open_features
 
     make_experiment(tmp_path, tiny_target_info, {"train": [[20, 30]], "val": [[25]]})
-    index = _run(tmp_path, "train.mtp=true")
+    index = _run(tmp_path, "drafters=[dflash,mtp]")
     assert index["target_layer_ids"] == TAPS and index["meta"]["last_hidden"] is True
     train_src, _ = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
     ids, _, taps, last = train_src[0]
@@ -210,7 +210,7 @@ def test_train_mtp_stores_the_last_layer(tmp_path, tiny_target_info):
 
 
 def test_last_layer_stored_when_a_dspark_drafter_trains(tmp_path, tiny_target_info):
-    """train.drafter_type=dspark → shards carry last_hidden = the final-normed last layer (HF hidden_states[-1]),
+    """A listed dspark drafter → shards carry last_hidden = the final-normed last layer (HF hidden_states[-1]),
     the train source yields it as a 4th element, and the plan key differs from a taps-only run."""
     from transformers import AutoModelForCausalLM
 
@@ -218,7 +218,7 @@ def test_last_layer_stored_when_a_dspark_drafter_trains(tmp_path, tiny_target_in
 
     lengths = {"train": [[20, 9]], "val": [[12]]}
     make_experiment(tmp_path, tiny_target_info, lengths)
-    index = _run(tmp_path, "train.drafter_type=dspark")
+    index = _run(tmp_path, "drafters=[dflash,dspark]")
     assert index["meta"]["last_hidden"] is True
     train_src, val_src = open_features(tmp_path / EXPERIMENT / "extract", tiny_target_info, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_info["hf_path"], dtype=torch.float32).eval()

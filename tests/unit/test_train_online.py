@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.extract.stage import run_extract  # noqa: E402
@@ -51,7 +53,7 @@ def test_first_losses_equal_online_and_offline(tiny_target_info, world, tmp_path
                       val_max_seqs=2, val_num_anchors=8, init_from_target=False, prefetch=1)
     curves = []
     for name, tr, va in (("offline", off_train, off_val), ("online", on_train, on_val)):
-        inp = TrainInputs(cfg=cfg, dcfg=DFlashConfig.from_target(tiny_target_info), train_source=tr, val_source=va,
+        inp = TrainInputs(cfg=cfg, dcfg=DFlashConfig.from_target(tiny_target_info, drafter_of()), train_source=tr, val_source=va,
                           head=FrozenTargetHead.from_target(tiny_target_info["hf_path"]), ckpt_dir=tmp_path / name, resume_key=name)
         res = train(inp)
         curves.append(([h["loss"] for h in res.history], res.evals[-1]))

@@ -51,7 +51,7 @@ def test_default_taps_round_half_to_even():
 
 @pytest.mark.parametrize("path", sorted((REPO / "conf/target").glob("*.yaml")), ids=lambda p: p.stem)
 def test_tap_ids_equal_the_reference_rule(path):
-    t = yaml.safe_load(path.read_text())
+    t = yaml.safe_load(path.read_text())["target"]
     L, d = int(t["num_layers"]), t["drafter"]
     ids = d.get("target_layer_ids")
     n = len(ids) if ids else int(d.get("n_taps", 5))

@@ -37,11 +37,11 @@ class MTPSeq:
 
 def mtp_item(src: FeatureSource, i: int, max_len: int) -> MTPSeq:
     """Sequence i of a feature source whose items carry the target's final-normed last layer as the 4th
-    element (`last_hidden`, stored by extract when `train.config.needs_last_layer`); the taps are unused."""
+    element (`last_hidden`, stored by extract when `drafter.settings.needs_last_layer`); the taps are unused."""
     item = src[i]
     if len(item) < 4 or item[3] is None:
         raise ValueError("the features carry no final-normed last layer (`last_hidden`): rerun extract with "
-                         "train.mtp=true (draftforge.train.config.needs_last_layer decides what extract stores)")
+                         "mtp in `drafters` (draftforge.drafter.settings.needs_last_layer decides what extract stores)")
     ids, lmask, _, last = truncate(item, max_len)  # type: ignore[misc]
     return MTPSeq(ids.long(), lmask.bool(), last)
 
@@ -229,10 +229,10 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
 
     train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32)
     try:
-        mtp_item(train_src, 0, 1)  # the store carries `last_hidden` (extract ran with train.mtp on)
+        mtp_item(train_src, 0, 1)  # the store carries `last_hidden` (extract ran with an mtp drafter listed)
         head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
     except ValueError as exc:
-        raise StageError(f"train.mtp: {ctx.input_marker('extract')}: {exc}") from None
+        raise StageError(f"drafter=mtp: {ctx.input_marker('extract')}: {exc}") from None
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
     res = train_mtp(head, frozen, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
                     depth=cfg.mtp_depth, rows=cfg.mtp_rows, val_drafts=cfg.mtp_val_drafts,
