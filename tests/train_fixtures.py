@@ -6,6 +6,9 @@ hidden (T, n_taps*H) float32) with hidden = concat over taps L of HF hidden_stat
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +46,42 @@ def synthetic_items(info: dict, n_seq: int, seed: int = 0, min_len: int = 24, ma
         mask[prompt_len:] = 1
         items.append((ids, mask, tapped_features(model, ids, taps)))
     return items
+
+
+def with_last(info: dict, items, model=None):
+    """items + the target's final-normed last layer (extract's `last_hidden`) as a 4th element."""
+    model = model or load_target(info)
+    out = []
+    for ids, mask, taps in items:
+        with torch.no_grad():
+            out.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_entry(rank: int, world: int, port: int, worker: Callable, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        worker(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(worker: Callable, world: int, *args) -> None:
+    """worker(rank, world, *args) in `world` spawned processes joined in one gloo process group
+    (`worker` must be a module-level function; results go through files)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_gloo_entry, args=(world, free_port(), worker, args), nprocs=world, join=True, start_method="spawn")
 
 
 def make_inputs(info: dict, cfg: TrainConfig, train_items, val_items, ckpt_dir: Path, rank: int = 0, world: int = 1, resume_key: str = "test") -> TrainInputs:

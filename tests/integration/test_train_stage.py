@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.io import write_json  # noqa: E402
-from train_fixtures import synthetic_items, write_extract_index  # noqa: E402
+from train_fixtures import synthetic_items, with_last, write_extract_index  # noqa: E402
 
 pytestmark = pytest.mark.integration
 PY = sys.executable
@@ -67,13 +67,24 @@ def test_stage_trains_exports_and_resumes(tiny_target_info, items, tmp_path):
     assert again.returncode == 0 and "resuming from" in again.stderr
 
 
-def test_stage_under_torchrun_two_gloo_processes(tiny_target_info, items, tmp_path):
-    _world(tmp_path, tiny_target_info, items)
+@pytest.mark.parametrize("drafter", ["dflash", "mtp"])
+def test_stage_under_torchrun_two_gloo_processes(tiny_target_info, items, tmp_path, drafter):
+    """2 gloo ranks: the dflash branch trains the drafter, the mtp branch the MTP head (global MTP batch 2 x 1);
+    every rank trains, rank 0 exports."""
+    _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items) if drafter == "mtp" else items)
+    extra = ["drafter=mtp", "train.mtp_steps=4", "train.mtp_eval_every=2", "train.mtp_rows=16"] if drafter == "mtp" else []
     proc = _run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftforge.train",
-                 "train.cpu_procs=2"], tmp_path)
+                 "train.cpu_procs=2", *extra], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((tmp_path / "smoke" / "train" / "dflash" / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    metrics = json.loads((tmp_path / "smoke" / "train" / drafter / "metrics.json").read_text())
+    if drafter == "dflash":
+        assert metrics["world_size"] == 2 and metrics["steps"] == 6
+        return
+    mtp = metrics["mtp"]
+    assert mtp["world_size"] == 2 and mtp["global_batch"] == 2 and [e["step"] for e in mtp["val_curve"]] == [2, 4]
+    assert (tmp_path / "smoke" / "train" / "mtp" / "mtp" / "model.safetensors").is_file()
+    ckpts = tmp_path / "smoke" / ".work" / "train" / "mtp" / "mtp_checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000004.pt"
 
 
 @pytest.mark.parametrize("kind", ["fingerprint", "taps"])
@@ -91,20 +102,6 @@ def test_stage_refuses_features_of_another_target(tiny_target_info, items, tmp_p
     assert not (tmp_path / "smoke" / "train" / "dflash" / "metrics.json").exists()
 
 
-def _with_last(info, items):
-    """items + the target's final-normed last layer (extract's `last_hidden`) as a 4th element."""
-    import torch
-
-    from train_fixtures import load_target
-
-    model = load_target(info)
-    out = []
-    for ids, mask, taps in items:
-        with torch.no_grad():
-            out.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
-    return out
-
-
 def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
     """The mtp branch (drafter=mtp): features carry `last_hidden` (the final-normed last layer); the stage trains
     an MTP head only and exports it in vLLM's MiMo MTP format (train/mtp/mtp/), loadable as the engine's head.
@@ -118,7 +115,7 @@ def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
     assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1], bad.stderr[-2000:]
     online = _run(mtp_args + ["train.features=online"], tmp_path)
     assert online.returncode == 2 and "train.features=online" in online.stderr.strip().splitlines()[-1], online.stderr[-2000:]
-    _world(tmp_path, tiny_target_info, _with_last(tiny_target_info, items))
+    _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items))
     proc = _run(mtp_args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "smoke" / "train" / "mtp"
@@ -134,19 +131,10 @@ def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
 def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
     """drafter=dspark on features with the target's last layer → a DSpark export with analytic metrics;
     the same features without the last layer → one StageError naming the switch."""
-    import torch
-
-    from train_fixtures import load_target
-
-    model = load_target(tiny_target_info)
-    with_last = []
-    for ids, mask, taps in items:
-        with torch.no_grad():
-            with_last.append((ids, mask, taps, model(ids[None], output_hidden_states=True).hidden_states[-1][0]))
     _world(tmp_path, tiny_target_info, items)
     bad = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
     assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1]
-    _world(tmp_path, tiny_target_info, with_last)
+    _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items))
     proc = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "smoke" / "train" / "dspark"
@@ -158,3 +146,42 @@ def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_
     from draftforge.drafter.export import load_drafter
 
     assert isinstance(load_drafter(out / "drafter"), DSparkDrafter)
+
+
+def test_stage_resumes_an_interrupted_mtp_head(tiny_target_info, items, tmp_path, monkeypatch):
+    """The mtp branch killed inside MTP step 5: no marker; the rerun resumes from the step-3 checkpoint and
+    writes the metrics and export an uninterrupted run writes."""
+    import draftforge.train.mtp as mtp_train
+    from draftforge.cli import run_stage
+    from draftforge.train.stage import main
+
+    data = with_last(tiny_target_info, items)
+    args = [*OVERRIDES, "drafter=mtp", "train.mtp_steps=6", "train.mtp_eval_every=2", "train.mtp_rows=16",
+            "tracking.enabled=false"]
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    for root in (once, twice):
+        _world(root, tiny_target_info, data)
+    run_stage("train", main, [*args, f"results_root={once}"])
+
+    real, calls = mtp_train.depth_ce_sums, []
+
+    def killed_in_step_5(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:  # one sequence per step: the 5th call is step 5
+            raise RuntimeError("killed")
+        return real(*a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(mtp_train, "depth_ce_sums", killed_in_step_5)
+        with pytest.raises(RuntimeError, match="killed"):
+            run_stage("train", main, [*args, f"results_root={twice}"])
+    ckpts = twice / "smoke" / ".work" / "train" / "mtp" / "mtp_checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000003.pt"
+    assert not (twice / "smoke" / "train" / "mtp" / "metrics.json").exists()
+    run_stage("train", main, [*args, f"results_root={twice}"])
+    got, want = (json.loads((r / "smoke" / "train" / "mtp" / "metrics.json").read_text())["mtp"] for r in (twice, once))
+    assert got["resumed_from"] == 3 and want["resumed_from"] is None
+    for key in ("best", "val_curve", "loss_first", "loss_last", "steps", "selected"):
+        assert got[key] == want[key], key
+    weights = "smoke/train/mtp/mtp/model.safetensors"
+    assert (twice / weights).read_bytes() == (once / weights).read_bytes()

@@ -7,19 +7,16 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
-from train_fixtures import make_inputs, synthetic_items  # noqa: E402
+from train_fixtures import make_inputs, spawn_gloo, synthetic_items  # noqa: E402
 
 
 def cfg_for(**kw) -> TrainConfig:
@@ -33,33 +30,18 @@ def items(tiny_target_info):
     return synthetic_items(tiny_target_info, 8, seed=3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, info: dict, data_path: str, ckpt: str, out_path: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        items = torch.load(data_path, weights_only=False)
-        res = train(make_inputs(info, cfg_for(batch_seqs=2), items, items[:3], Path(ckpt), rank=rank, world=world))
-        if rank == 0:
-            torch.save({"history": res.history, "evals": res.evals,
-                        "weights": {k: v.clone() for k, v in res.model.state_dict().items()}}, out_path)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, info: dict, data_path: str, ckpt: str, out_path: str) -> None:
+    items = torch.load(data_path, weights_only=False)
+    res = train(make_inputs(info, cfg_for(batch_seqs=2), items, items[:3], Path(ckpt), rank=rank, world=world))
+    if rank == 0:
+        torch.save({"history": res.history, "evals": res.evals,
+                    "weights": {k: v.clone() for k, v in res.model.state_dict().items()}}, out_path)
 
 
 def test_two_gloo_ranks_of_b_match_one_process_of_2b(tiny_target_info, items, tmp_path):
     single = train(make_inputs(tiny_target_info, cfg_for(batch_seqs=4), items, items[:3], tmp_path / "single"))
     torch.save(items, tmp_path / "items.pt")
-    mp.start_processes(_worker, args=(2, _free_port(), tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path / "ddp"),
-                                      str(tmp_path / "ddp.pt")), nprocs=2, join=True, start_method="spawn")
+    spawn_gloo(_worker, 2, tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"))
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=False)
     one = [h["loss"] for h in single.history]
     two = [h["loss"] for h in ddp["history"]]

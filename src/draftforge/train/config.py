@@ -59,8 +59,11 @@ class TrainConfig:
     # MTP head (MiMo form, one Qwen2 layer) for targets without native MTP layers: the branch of a drafter of
     # type mtp (conf/drafter/mtp.yaml) trains it from the same features (extract then also stores the
     # final-normed last layer, `drafter.settings.needs_last_layer`). Loss: CE of depths 1..mtp_depth applied
-    # recursively, on up to mtp_rows supervised rows per sequence and depth.
+    # recursively, on up to mtp_rows supervised rows per sequence and depth. Every rank trains (global batch =
+    # mtp_batch_seqs x ranks, as batch_seqs for the drafter); checkpoints every ckpt_every steps in
+    # work_dir/mtp_checkpoints.
     mtp_steps: int = 2000
+    mtp_batch_seqs: int = 1  # sequences per rank per MTP step
     mtp_lr: float = 1e-3
     mtp_depth: int = 2
     mtp_rows: int = 256
@@ -81,6 +84,7 @@ class TrainConfig:
         check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
         check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
         check(self.mtp_steps >= 1, "train.mtp_steps", f"{self.mtp_steps} must be >= 1")
+        check(self.mtp_batch_seqs >= 1, "train.mtp_batch_seqs", f"{self.mtp_batch_seqs} must be >= 1")
         check(self.mtp_lr > 0, "train.mtp_lr", f"{self.mtp_lr} must be > 0")
         check(self.mtp_depth >= 1, "train.mtp_depth", f"{self.mtp_depth} must be >= 1")
         check(self.mtp_rows >= 1, "train.mtp_rows", f"{self.mtp_rows} must be >= 1")

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,16 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def save_checkpoint_rank0(ckpt_dir: Path, step: int, payload: Callable[[], dict[str, Any]], *, keep: int, rank: int,
+                          world: int) -> None:
+    """Rank 0 writes `payload()` as the step's checkpoint (atomically, `latest` names it, `keep` newest kept);
+    every rank waits for it, so no rank runs ahead of the newest checkpoint."""
+    if rank == 0:
+        save_checkpoint(ckpt_dir, step, payload(), keep=keep)
+    if world > 1:
+        dist.barrier()
 
 
 def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -336,14 +346,11 @@ def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
     obj = make_objective(cfg, dcfg, inp.loss_weights)
 
     def checkpoint(at: int) -> None:
-        if rank0:
-            save_checkpoint(inp.ckpt_dir, at, {
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": at, "history": history, "evals": evals, "best": best, "rng": rng_state(),
-                "resume_key": inp.resume_key, "dcfg": dcfg.to_dict(),
-            }, keep=cfg.keep_checkpoints)
-        if inp.world > 1:
-            dist.barrier()
+        save_checkpoint_rank0(inp.ckpt_dir, at, lambda: {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": at, "history": history, "evals": evals, "best": best, "rng": rng_state(),
+            "resume_key": inp.resume_key, "dcfg": dcfg.to_dict(),
+        }, keep=cfg.keep_checkpoints, rank=inp.rank, world=inp.world)
 
     def run_eval(at: int) -> None:
         nonlocal best

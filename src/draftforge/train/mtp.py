@@ -12,13 +12,14 @@ next mtp_val_drafts+1 tokens are all supervised. The exported weights are the be
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from draftforge.drafter.mtp import MTPHead
@@ -90,23 +91,23 @@ def sample_rows(valid: torch.Tensor, k: int, gen: torch.Generator | None) -> tor
     return rows
 
 
-def mtp_loss(head: MTPHead, frozen: FrozenTargetHead, seq: MTPSeq, depth: int, rows: int,
-             gen: torch.Generator | None) -> tuple[torch.Tensor, list[float]]:
-    """Mean over depths of the CE on sampled supervised rows; per-depth CE values."""
-    outs = recursive_outputs(head, frozen.embed, seq, depth)
-    losses, per = [], []
-    for d, out in enumerate(outs, start=1):
-        tgt, valid = depth_targets(seq, d)
-        pick = sample_rows(valid, rows, gen)
+def depth_rows(seq: MTPSeq, depth: int, rows: int, gen: torch.Generator | None) -> list[torch.Tensor]:
+    """The supervised rows each depth 1..depth trains on (up to `rows` sampled per depth)."""
+    return [sample_rows(depth_targets(seq, d)[1], rows, gen) for d in range(1, depth + 1)]
+
+
+def depth_ce_sums(head: MTPHead, frozen: FrozenTargetHead, seq: MTPSeq, picks: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Summed CE of each depth over its picked rows (None where a depth has no rows)."""
+    outs = recursive_outputs(head, frozen.embed, seq, len(picks))
+    sums: list[torch.Tensor | None] = []
+    for d, (out, pick) in enumerate(zip(outs, picks), start=1):
         if pick.numel() == 0:
+            sums.append(None)
             continue
+        tgt, _ = depth_targets(seq, d)
         logits = out[pick].float() @ frozen.lm_head.float().T
-        ce = F.cross_entropy(logits, tgt[pick])
-        losses.append(ce)
-        per.append(float(ce.detach()))
-    if not losses:
-        return torch.zeros((), requires_grad=True), per
-    return torch.stack(losses).mean(), per
+        sums.append(F.cross_entropy(logits, tgt[pick], reduction="sum"))
+    return sums
 
 
 @torch.no_grad()
@@ -149,82 +150,187 @@ def mtp_eval(head: MTPHead, frozen: FrozenTargetHead, seqs: list[MTPSeq], drafts
 
 @dataclass
 class MTPResult:
-    head: MTPHead  # the selected (best val τ) weights
+    head: MTPHead  # the selected (best val τ) weights on rank 0; the last weights on other ranks
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     best: dict[str, float] | None = None
-    steps: int = 0
-    seconds: float = 0.0
+    steps: int = 0  # the run's total steps
+    seconds: float = 0.0  # this process's training time (a resumed run: since the resume)
+    step: int = 0  # steps done (< steps when interrupted)
+    resumed_from: int | None = None  # the checkpoint's step this run continued from
+    interrupted: bool = False
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
               val_src: FeatureSource | None, *, steps: int, lr: float, depth: int, rows: int, val_drafts: int,
               eval_every: int, max_len: int, val_max_seqs: int, seed: int = 0, warmup_ratio: float = 0.04,
               grad_clip: float = 1.0, device: torch.device | str = "cpu", logger: Any = None,
-              progress: bool = False) -> MTPResult:
-    """Single-process AdamW + cosine schedule, one sequence per step."""
+              progress: bool = False, batch_seqs: int = 1, rank: int = 0, world: int = 1,
+              ckpt_dir: Path | None = None, resume_key: str = "", ckpt_every: int = 0, keep_checkpoints: int = 2,
+              stop_at_step: int | None = None) -> MTPResult:
+    """AdamW + cosine schedule over `steps` steps of `batch_seqs` sequences per rank (global batch
+    batch_seqs x world), every rank training its share; resumes from ckpt_dir's latest checkpoint
+    with a matching resume_key. `stop_at_step` simulates an interruption (tests).
+
+    Determinism: step s takes the sequences epoch_order(seed, epoch) lists for it (the drafter's order)
+    and samples each sequence's rows from a generator of (seed, s, sequence), so the stream depends on
+    neither the world size nor where a run resumed. The loss of a step is the mean over depths of the
+    CE summed over all ranks' rows of that depth divided by their global count; each rank
+    back-propagates its part and the gradients are summed over ranks, so W ranks of b sequences take
+    the step one process takes on the same W*b sequences. Rank 0 evaluates and broadcasts the metrics,
+    so every rank records the same val history and best step; rank 0 keeps the best weights, writes
+    the checkpoints and holds the selected head at the end."""
     from tqdm import tqdm
 
-    from draftforge.train.loop import lr_lambda, val_indices
+    from draftforge.train.checkpoint import load_latest, rng_state, set_rng_state
+    from draftforge.train.data import _hash_seed, epoch_order, rank_share
+    from draftforge.train.loop import lr_lambda, save_checkpoint_rank0, val_indices
 
-    device = torch.device(device)
+    if batch_seqs < 1:
+        raise ValueError(f"train.mtp_batch_seqs={batch_seqs}: need >= 1 sequence per rank")
+    device, rank0 = torch.device(device), rank == 0
     head = head.to(device).train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup_ratio, 0.0))
-    gen = torch.Generator().manual_seed(seed)
+    res = MTPResult(head, steps=steps)
+    best_state: dict[str, torch.Tensor] | None = None  # rank 0: the best val τ weights (CPU)
+    payload = load_latest(ckpt_dir, resume_key) if ckpt_dir is not None else None
+    if payload is not None:
+        head.load_state_dict(payload["model"])
+        opt.load_state_dict(payload["optimizer"])
+        sched.load_state_dict(payload["scheduler"])
+        res.step = res.resumed_from = payload["step"]
+        res.history, res.evals, res.best = payload["history"], payload["evals"], payload["best"]
+        best_state = payload["best_model"] if rank0 else None
+        set_rng_state(payload["rng"])
+        del payload
+    if world > 1:  # every rank starts from rank 0's weights (they are equal already; this guards it)
+        for t in head.state_dict().values():
+            dist.broadcast(t, 0)
+    picked = val_indices(len(val_src), val_max_seqs) if val_src is not None else []
     val = []
-    if val_src is not None:
-        val = [mtp_item(val_src, i, max_len) for i in val_indices(len(val_src), val_max_seqs)]
+    if rank0 and picked:
+        val = [mtp_item(val_src, i, max_len) for i in picked]  # type: ignore[arg-type]
         val = [MTPSeq(s.ids.to(device), s.mask.to(device), s.hidden.to(device)) for s in val]
-    res = MTPResult(head)
-    best_state = None
 
     def run_eval(at: int) -> None:
         nonlocal best_state
-        if not val:
+        if not picked:
             return
-        m = {**mtp_eval(head, frozen, val, val_drafts, rows, seed + 1), "step": at}
+        m = {**mtp_eval(head, frozen, val, val_drafts, rows, seed + 1), "step": at} if rank0 else None
+        if world > 1:
+            box = [m]
+            dist.broadcast_object_list(box, src=0)
+            m = box[0]
         res.evals.append(m)
-        if logger is not None:
-            logger.log_metrics({k: v for k, v in m.items() if k != "step"}, step=at)
         if res.best is None or m["val_mtp_sim_tau"] > res.best["val_mtp_sim_tau"]:
-            res.best, best_state = dict(m), copy.deepcopy(head.state_dict())
-        log.info("mtp step %d: val sim_tau %.3f acc_1 %.3f", at, m["val_mtp_sim_tau"], m["val_mtp_acc_1"])
+            res.best = dict(m)
+            if rank0:
+                best_state = _cpu_copy(head.state_dict())
+        if rank0 and logger is not None:
+            logger.log_metrics({k: v for k, v in m.items() if k != "step"}, step=at)
+        if rank0:
+            log.info("mtp step %d: val sim_tau %.3f acc_1 %.3f", at, m["val_mtp_sim_tau"], m["val_mtp_acc_1"])
 
+    def checkpoint(at: int) -> None:
+        if ckpt_dir is None:
+            return
+        save_checkpoint_rank0(ckpt_dir, at, lambda: {
+            "model": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": at, "history": res.history, "evals": res.evals, "best": res.best, "best_model": best_state,
+            "rng": rng_state(), "resume_key": resume_key,
+        }, keep=keep_checkpoints, rank=rank, world=world)  # fmt: skip
+
+    gb = batch_seqs * max(1, world)
+    per_epoch = -(-len(train_src) // gb)
+    order: tuple[int, list[list[int]]] | None = None
     t0 = time.perf_counter()
-    order = torch.randperm(len(train_src), generator=gen).tolist()
-    for step in tqdm(range(steps), desc="train mtp", unit="step", disable=not progress):
-        if step % len(order) == 0 and step:
-            order = torch.randperm(len(train_src), generator=gen).tolist()
-        seq = mtp_item(train_src, order[step % len(order)], max_len)
-        seq = MTPSeq(seq.ids.to(device), seq.mask.to(device), seq.hidden.to(device))
-        if seq.ids.numel() < 3:
-            continue
-        loss, per = mtp_loss(head, frozen, seq, depth, rows, gen)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        rec = {"step": step + 1, "mtp_loss": float(loss.detach()), **{f"mtp_loss_{d}": v for d, v in enumerate(per, start=1)}}
-        res.history.append(rec)
-        if logger is not None and ((step + 1) % 25 == 0 or step + 1 == steps):
-            logger.log_metrics({k: v for k, v in rec.items() if k != "step"}, step=step + 1)
-        if (step + 1) % max(1, eval_every) == 0 or step + 1 == steps:
-            run_eval(step + 1)
-    res.steps, res.seconds = steps, time.perf_counter() - t0
-    if best_state is not None:
+    bar = tqdm(total=steps, initial=res.step, desc="train mtp", unit="step", disable=not progress)
+    try:
+        for step in range(res.step, steps):
+            epoch, in_epoch = divmod(step, per_epoch)
+            if order is None or order[0] != epoch:
+                order = (epoch, epoch_order(len(train_src), gb, seed, epoch))
+            work, counts = [], torch.zeros(depth, dtype=torch.float64, device=device)
+            for i in rank_share(order[1][in_epoch], rank, world):
+                seq = mtp_item(train_src, i, max_len)
+                if seq.ids.numel() < 3:
+                    continue
+                seq = MTPSeq(seq.ids.to(device), seq.mask.to(device), seq.hidden.to(device))
+                picks = depth_rows(seq, depth, rows, torch.Generator().manual_seed(_hash_seed(seed, step, i)))
+                counts += torch.tensor([p.numel() for p in picks], dtype=torch.float64, device=device)
+                work.append((seq, picks))
+            _all_reduce(counts, world)
+            active = counts > 0
+            n_active = int(active.sum())
+            ce = torch.zeros(depth, dtype=torch.float64, device=device)
+            for seq, picks in work:
+                sums = depth_ce_sums(head, frozen, seq, picks)
+                parts = [s / (float(counts[d]) * n_active) for d, s in enumerate(sums) if s is not None]
+                if parts:
+                    torch.stack(parts).sum().backward()
+                    ce += torch.stack([s.detach().double() if s is not None else ce.new_zeros(()) for s in sums])
+            if n_active:  # no supervised row anywhere in this step's sequences: no update
+                if world > 1:
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad)
+                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                _all_reduce(ce, world)
+                per = {d + 1: float(ce[d] / counts[d]) for d in range(depth) if active[d]}
+                rec = {"step": step + 1, "mtp_loss": sum(per.values()) / n_active,
+                       **{f"mtp_loss_{d}": v for d, v in per.items()}}
+                res.history.append(rec)
+                if rank0 and logger is not None and ((step + 1) % 25 == 0 or step + 1 == steps):
+                    logger.log_metrics({k: v for k, v in rec.items() if k != "step"}, step=step + 1)
+            res.step = step + 1
+            bar.update(1)
+            if (step + 1) % max(1, eval_every) == 0 or step + 1 == steps:
+                run_eval(step + 1)
+            if (ckpt_every > 0 and (step + 1) % ckpt_every == 0) or step + 1 == steps:
+                checkpoint(step + 1)
+            if stop_at_step is not None and step + 1 >= stop_at_step and step + 1 < steps:
+                if not (ckpt_every > 0 and (step + 1) % ckpt_every == 0):
+                    checkpoint(step + 1)
+                res.interrupted = True
+                break
+    finally:
+        bar.close()
+    res.seconds = time.perf_counter() - t0
+    if best_state is not None and not res.interrupted:
         head.load_state_dict(best_state)
     res.head = head.eval()
     return res
 
 
-def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any) -> dict[str, Any]:
-    """The train stage's MTP part (rank 0): train, export to out_dir/mtp in vLLM's MiMo MTP format,
-    return the metrics.json entry."""
+MTP_CHECKPOINTS = "mtp_checkpoints"  # the MTP head's resumable checkpoints: ctx.work_dir / MTP_CHECKPOINTS
+# The keys that change what MTP training computes (with the target, the features and the global batch).
+_MTP_RESUME_KEYS = ("mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "max_seq_len", "seed",
+                    "warmup_ratio", "grad_clip")
+
+
+def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any) -> dict[str, Any] | None:
+    """The train stage's MTP part, on every rank: train (resuming from ctx.work_dir/mtp_checkpoints),
+    then rank 0 exports to out_dir/mtp in vLLM's MiMo MTP format and returns the metrics.json entry
+    (None on other ranks)."""
     from draftforge.drafter.mtp import export_mimo_head, new_trained_head
     from draftforge.errors import StageError
+    from draftforge.io import sha256_file, sha256_json
     from draftforge.train.features import open_features
 
     train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32)
@@ -234,11 +340,18 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
     except ValueError as exc:
         raise StageError(f"drafter=mtp: {ctx.input_marker('extract')}: {exc}") from None
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
+    resume_key = sha256_json({"mtp": {k: getattr(cfg, k) for k in _MTP_RESUME_KEYS}, "target": info["fingerprint"],
+                              "extract": sha256_file(ctx.input_marker("extract")),
+                              "global_batch": cfg.mtp_batch_seqs * ctx.world_size, "init_layer": copied})
     res = train_mtp(head, frozen, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
                     depth=cfg.mtp_depth, rows=cfg.mtp_rows, val_drafts=cfg.mtp_val_drafts,
                     eval_every=cfg.mtp_eval_every, max_len=cfg.max_seq_len, val_max_seqs=cfg.val_max_seqs,
                     seed=cfg.seed, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip or 1.0, device=device,
-                    logger=run, progress=ctx.is_rank0)  # fmt: skip
+                    logger=run, progress=ctx.is_rank0, batch_seqs=cfg.mtp_batch_seqs, rank=ctx.rank,
+                    world=ctx.world_size, ckpt_dir=ctx.work_dir / MTP_CHECKPOINTS, resume_key=resume_key,
+                    ckpt_every=cfg.ckpt_every, keep_checkpoints=cfg.keep_checkpoints)  # fmt: skip
+    if not ctx.is_rank0:
+        return None
     selected = f"best val_mtp_sim_tau at step {res.best['step']}" if res.best else "last"
     out = ctx.out_dir / "mtp"
     export_mimo_head(res.head, out, info["hf_path"], dtype=getattr(torch, cfg.export_dtype),
@@ -248,7 +361,8 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
     k = max(1, min(25, len(h) // 4))
     return {
         "dir": str(out), "format": "mimo", "selected": selected, "steps": res.steps, "seconds": res.seconds,
-        "init_from_target_layer": copied,
+        "world_size": ctx.world_size, "global_batch": cfg.mtp_batch_seqs * ctx.world_size,
+        "resumed_from": res.resumed_from, "init_from_target_layer": copied,
         "loss_first": sum(r["mtp_loss"] for r in h[:k]) / k if h else None,
         "loss_last": sum(r["mtp_loss"] for r in h[-k:]) / k if h else None,
         "best": res.best, "val_curve": res.evals,

@@ -149,7 +149,7 @@ FEATURE_MODES = ("offline", "online")
 # Knobs that do not change what is computed (a resumed run may change them freely).
 _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
                       "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors",
-                      "mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
+                      "mtp_steps", "mtp_batch_seqs", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
 def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
@@ -167,12 +167,11 @@ def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
         init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
         try:
             with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}/mtp", params=ctx.params) as run:
-                if ctx.is_rank0:
-                    from draftforge.train.mtp import run_mtp_training
+                from draftforge.train.mtp import run_mtp_training
 
-                    mtp = run_mtp_training(ctx, cfg, info, device, run)
-                    if mtp.get("best"):
-                        run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
+                mtp = run_mtp_training(ctx, cfg, info, device, run)  # every rank trains; rank 0 exports (None elsewhere)
+                if mtp and mtp.get("best"):
+                    run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
             if ctx.world_size > 1:
                 dist.barrier()
         finally:

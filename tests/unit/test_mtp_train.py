@@ -1,0 +1,125 @@
+"""Training the MTP head (train/mtp.py): resume and rank-count invariance, as the drafter's loop.
+
+- Interrupt (a stop at step k, or an exception inside step k) + resume == uninterrupted: bit-identical
+  weights, loss curve, val history and best step (fp32, CPU).
+- Global batch = mtp_batch_seqs x ranks: 2 gloo ranks of 1 sequence follow the loss curve of 1 process
+  of 2 sequences; every rank records the same val history and best step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from draftforge.drafter.mtp import new_trained_head  # noqa: E402
+from draftforge.train.data import InMemorySource  # noqa: E402
+from draftforge.train.head import FrozenTargetHead  # noqa: E402
+from draftforge.train.mtp import train_mtp  # noqa: E402
+from train_fixtures import load_target, spawn_gloo, tapped_features, with_last  # noqa: E402
+
+ARGS = dict(steps=8, lr=1e-2, depth=2, rows=12, val_drafts=2, eval_every=2, max_len=40, val_max_seqs=2, seed=0,
+            ckpt_every=3, keep_checkpoints=2, resume_key="k")
+
+
+@pytest.fixture(scope="module")
+def items(tiny_target_info):
+    """8 sequences of one 5-token cycle (a head learns it in a few steps, so val τ moves and the best
+    step is neither the first nor the last), with the target's taps and final-normed last layer."""
+    model = load_target(tiny_target_info)
+    cycle = torch.randint(6, 262, (5,), generator=torch.Generator().manual_seed(0))
+    items = []
+    for s in range(8):
+        T = 16 + 2 * s
+        ids = cycle.roll(s).repeat(T // 5 + 1)[:T]
+        mask = torch.ones(T, dtype=torch.uint8)
+        mask[:3] = 0
+        items.append((ids, mask, tapped_features(model, ids, tiny_target_info["drafter"]["target_layer_ids"])))
+    return with_last(tiny_target_info, items, model)
+
+
+def _train(info: dict, items, ckpt: Path | None, train_src=None, **kw):
+    torch.manual_seed(0)
+    head, _ = new_trained_head(info["hf_path"], seed=0)
+    frozen = FrozenTargetHead.from_target(info["hf_path"])
+    return train_mtp(head, frozen, train_src or InMemorySource(items[:6]), InMemorySource(items[6:]), ckpt_dir=ckpt,
+                     **{**ARGS, **kw})
+
+
+class CrashAt(InMemorySource):
+    """A train source whose n-th read raises (a job killed inside a step)."""
+
+    def __init__(self, items, n: int) -> None:
+        super().__init__(items)
+        self.n = n
+
+    def __getitem__(self, i: int):
+        self.n -= 1
+        if self.n == 0:
+            raise RuntimeError("killed")
+        return super().__getitem__(i)
+
+
+def _same(a, b) -> None:
+    assert a.history == b.history and a.evals == b.evals and a.best == b.best
+    for k, v in a.head.state_dict().items():
+        assert torch.equal(b.head.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("how", ["stop", "crash"])
+def test_interrupted_mtp_training_resumes_bit_identically(tiny_target_info, items, tmp_path, how):
+    full = _train(tiny_target_info, items, tmp_path / "full")
+    assert full.step == 8 and [e["step"] for e in full.evals] == [2, 4, 6, 8] and full.best["step"] == 6
+    assert len({h["mtp_loss"] for h in full.history}) == 8 and full.resumed_from is None
+    ck = tmp_path / "resumed"
+    if how == "stop":
+        part = _train(tiny_target_info, items, ck, stop_at_step=5)
+        assert part.interrupted and part.step == 5 and len(part.history) == 5
+        at = 5
+    else:  # batch_seqs 1: read n is step n; the last checkpoint before step 5 is step 3's
+        with pytest.raises(RuntimeError, match="killed"):
+            _train(tiny_target_info, items, ck, train_src=CrashAt(items[:6], 5))
+        at = 3
+    assert (ck / "latest").read_text().strip() == f"step-{at:08d}.pt"
+    saved = torch.load(ck / f"step-{at:08d}.pt", weights_only=True)
+    assert saved["step"] == at and saved["optimizer"]["state"][0]["step"].item() == at
+    best_then = max((e for e in full.evals if e["step"] <= at), key=lambda e: e["val_mtp_sim_tau"])
+    assert saved["best"] == best_then and saved["best_model"] is not None
+    assert {"model", "scheduler", "rng", "history", "evals", "resume_key"} <= set(saved)
+    rest = _train(tiny_target_info, items, ck)
+    assert rest.resumed_from == at and rest.step == 8 and not rest.interrupted
+    _same(full, rest)
+    assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000006.pt", "step-00000008.pt"]  # keep_checkpoints
+    again = _train(tiny_target_info, items, ck)  # finished: nothing is trained again, the same head comes back
+    assert again.resumed_from == 8
+    _same(full, again)
+    other = _train(tiny_target_info, items, ck, resume_key="other", stop_at_step=1)  # another config starts fresh
+    assert other.resumed_from is None and other.step == 1
+
+
+def _worker(rank: int, world: int, info: dict, data_path: str, ckpt: str, out: str) -> None:
+    items = torch.load(data_path, weights_only=False)
+    res = _train(info, items, Path(ckpt), batch_seqs=1, rank=rank, world=world)
+    torch.save({"history": res.history, "evals": res.evals, "best": res.best,
+                "weights": {k: v.clone() for k, v in res.head.state_dict().items()}}, f"{out}.{rank}")
+
+
+def test_two_gloo_ranks_of_one_sequence_match_one_process_of_two(tiny_target_info, items, tmp_path):
+    single = _train(tiny_target_info, items, None, batch_seqs=2)
+    torch.save(items, tmp_path / "items.pt")
+    spawn_gloo(_worker, 2, tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1))
+    assert len(r0["history"]) == len(single.history) == 8
+    for key in ("mtp_loss", "mtp_loss_1", "mtp_loss_2"):
+        torch.testing.assert_close(torch.tensor([h[key] for h in r0["history"]]),
+                                   torch.tensor([h[key] for h in single.history]), rtol=1e-5, atol=1e-5)
+    assert r1["history"] == r0["history"] and r1["evals"] == r0["evals"] and r1["best"] == r0["best"]  # ranks agree
+    assert r0["best"]["step"] == single.best["step"] and len({e["val_mtp_sim_tau"] for e in single.evals}) > 1
+    for e2, e1 in zip(r0["evals"], single.evals, strict=True):
+        assert e2.keys() == e1.keys() and all(e2[k] == pytest.approx(e1[k], abs=1e-6) for k in e1)
+    for k, v in single.head.state_dict().items():  # rank 0 holds the selected weights
+        torch.testing.assert_close(r0["weights"][k], v, rtol=1e-3, atol=2e-4)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008.pt"  # rank 0 wrote the checkpoints
