@@ -55,6 +55,6 @@ def export_random_drafter(info: dict, out_dir: Path, seed: int = 0) -> Path:
     from draftforge.drafter import DFlashConfig, DFlashDrafter, export_drafter
 
     torch.manual_seed(seed)
-    cfg = DFlashConfig.from_target(info, drafter_of(str(info["name"])))
+    cfg = DFlashConfig.from_target(info, drafter_of())  # tiny-random's drafter shape: 1 layer, block 8
     model = DFlashDrafter(cfg)
     return export_drafter(model, cfg, out_dir, dtype=torch.float32)

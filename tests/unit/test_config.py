@@ -86,7 +86,7 @@ def test_stage_overrides_keep_only_what_a_stage_reads() -> None:
 def test_stage_params_hold_only_what_the_stage_reads() -> None:
     cfg = compose("smoke")
     params = stage_params(cfg, "baselines")
-    assert set(params) == {"experiment_name", "seed", "target", "baselines", "evaluate"}
+    assert set(params) == {"experiment_name", "seed", "target", "drafter", "baselines", "evaluate"}
     assert set(params["evaluate"]) == {"datasets", "dataset_files", "gsm_symbolic", "chitchat", "num_prompts", "max_new_tokens"}
     assert "budgets" not in params["evaluate"]
 

@@ -203,7 +203,7 @@ def test_warm_start_from_a_hybrid_target_uses_attention_layers_and_its_conventio
     from draftforge.target.random import build_random_model, save_random_target
 
     conf = yaml.safe_load(open("conf/target/tiny-hybrid-random.yaml"))
-    spec = RandomTargetConfig(**{**conf["random"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+    spec = RandomTargetConfig(**{**conf["target"]["random"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
                                  "num_heads": 4, "num_kv_heads": 2, "head_dim": 16})
     folder = save_random_target(spec, tmp_path / "hybrid")
     with torch.no_grad():  # zero-centred norms are zeros at init: give them values so the 1 + w rule is seen

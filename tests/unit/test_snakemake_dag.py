@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from draftforge.stages import STAGE_MARKERS, STAGE_TABLE, STAGES
+from draftforge.config import compose
+from draftforge.stages import PER_DRAFTER, STAGE_MARKERS, STAGE_TABLE, STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -32,7 +33,8 @@ def planned_jobs(output: str) -> dict[str, int]:
 @pytest.mark.parametrize("experiment", ["default", "smoke"])
 def test_dag_builds(tmp_path: Path, experiment: str) -> None:
     jobs = planned_jobs(dry_run(tmp_path, f"experiment={experiment}"))
-    assert jobs == {**{stage: 1 for stage in STAGES}, "all": 1}
+    branches = len(compose(experiment).drafters)  # default: dflash, dspark, mtp; smoke: dflash
+    assert jobs == {**{stage: branches if stage in PER_DRAFTER else 1 for stage in STAGES}, "all": 1}
 
 
 def test_stage_commands_carry_only_their_overrides(tmp_path: Path) -> None:
@@ -54,7 +56,7 @@ def finished_copy(tmp_path_factory) -> Path:
     for name in ("Snakefile", "conf", "workflow"):
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, repo / name)
     for stage, marker in STAGE_MARKERS.items():
-        path = repo / "results" / "smoke" / stage / marker
+        path = repo / "results" / "smoke" / stage / ("dflash" if stage in PER_DRAFTER else "") / marker
         path.parent.mkdir(parents=True)
         path.touch()
     run_snakemake(repo, "--touch", "--forceall", "--config", "experiment=smoke", f"results_root={repo / 'results'}")
@@ -81,6 +83,9 @@ def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:
     assert rerun(finished_copy, "evaluate.chitchat.holdout_per_10k=200") == set(STAGES) - {"target"}
     assert rerun(finished_copy, "train.lr=0.001") == {"train", "evaluate", "baselines", "report"}
     assert rerun(finished_copy, "report.parity_tolerance=0.1") == {"report"}
+    # the drafter's shape is its branch's: never curate or extract; the target's taps rerun everything after target
+    assert rerun(finished_copy, "drafter.block_size=8") == {"train", "evaluate", "baselines", "report"}
+    assert rerun(finished_copy, "target.drafter.n_taps=3") == set(STAGES)
 
 
 def test_every_stage_reads_what_the_table_declares() -> None:
@@ -88,7 +93,8 @@ def test_every_stage_reads_what_the_table_declares() -> None:
     for stage in STAGE_TABLE:
         block = re.search(rf"^(?:local)?rule {stage.name}:\n((?:    .*\n)+)", output, flags=re.M).group(1)
         inputs = re.search(r"input: (.*)", block)
-        declared = [Path(p).parent.name for p in inputs.group(1).split(", ")] if inputs else []
+        # results/smoke/<stage>[/<drafter>]/<marker>: the stage is the path part after the experiment
+        declared = [Path(p).parts[Path(p).parts.index("smoke") + 1] for p in inputs.group(1).split(", ")] if inputs else []
         assert declared == list(stage.inputs), stage.name
 
 

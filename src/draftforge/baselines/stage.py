@@ -140,7 +140,7 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
             if row.get("reason"):
                 tags["reason"] = str(row["reason"])[:4000]
             params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
-            run_name = f"{row['dataset']}/vllm-{name}/T{row['temperature']}"  # evaluate: <dataset>/<method>/T<t>
+            run_name = f"{ctx.drafter}/{row['dataset']}/vllm-{name}/T{row['temperature']}"  # evaluate: <drafter>/<dataset>/<method>/T<t>
             with mlflow_run(**kw, tags=tags, run_name=run_name, params=params) as run:
                 metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar", "lossless_mismatches",
                                                 "n_prompts", "wall_tokens_per_s", "draft_acceptance_rate") if row.get(k) is not None}  # fmt: skip

@@ -205,7 +205,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
             tags["best_budget"] = row.get("best_budget", False)
         if row.get("mtp_source"):
             tags["mtp_source"] = row["mtp_source"]
-        name = f"{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
+        name = f"{ctx.drafter}/{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
             metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar",
                                            "lossless_mismatches", "round_ms", "overhead_pct", "draft_prefill_ms")
