@@ -139,3 +139,16 @@ def write_extract_index(out_dir: Path, splits: dict, info: dict, fingerprint: st
              "n_bytes": sum(s["n_bytes"] for s in shards)}
     write_json(out_dir / INDEX_NAME, index)
     return out_dir
+
+
+class StopAfter:
+    """A train.stop.StopRequest that is requested from the n-th step it is asked about on (the loops ask once
+    per optimizer step): a deterministic interruption at step n of this run."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.reason = "test"
+
+    def requested(self) -> bool:
+        self.left -= 1
+        return self.left <= 0

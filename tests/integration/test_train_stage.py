@@ -185,3 +185,31 @@ def test_stage_resumes_an_interrupted_mtp_head(tiny_target_info, items, tmp_path
         assert got[key] == want[key], key
     weights = "smoke/train/mtp/mtp/model.safetensors"
     assert (twice / weights).read_bytes() == (once / weights).read_bytes()
+
+
+def test_sigterm_stops_after_a_checkpointed_step_and_a_rerun_resumes(tiny_target_info, items, tmp_path):
+    """SIGTERM (a scheduler's preemption) mid-training: the stage finishes its step, writes that step's checkpoint,
+    exits 2 with one line naming the step, and writes no marker; the same command then resumes from that step."""
+    import signal
+    import time
+
+    _world(tmp_path, tiny_target_info, items)
+    args = [PY, "-m", "draftforge.train", *OVERRIDES, f"results_root={tmp_path}", "train.max_steps=1000",
+            "train.ckpt_every=50", "train.eval_every=100000", "tracking.enabled=false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    ckpts = tmp_path / "smoke" / ".work" / "train" / "dflash" / "checkpoints"
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not (ckpts / "step-00000050.pt").is_file():
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("draftforge train: error: train: stopped by SIGTERM after step ") and "rerun" in last, last
+    step = int(last.split("after step ")[1].split("/")[0])
+    assert 50 <= step < 1000 and (ckpts / f"step-{step:08d}.pt").is_file()  # the stop step itself is checkpointed
+    assert not (tmp_path / "smoke" / "train" / "dflash" / "metrics.json").exists()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+    assert again.returncode == 0 and f"(step {step})" in again.stderr, again.stderr[-3000:]  # resumed there
+    assert json.loads((tmp_path / "smoke" / "train" / "dflash" / "metrics.json").read_text())["steps"] == 1000

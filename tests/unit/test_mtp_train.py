@@ -19,7 +19,7 @@ from draftforge.drafter.mtp import new_trained_head  # noqa: E402
 from draftforge.train.data import InMemorySource  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
 from draftforge.train.mtp import train_mtp  # noqa: E402
-from train_fixtures import load_target, spawn_gloo, tapped_features, with_last  # noqa: E402
+from train_fixtures import StopAfter, load_target, spawn_gloo, tapped_features, with_last  # noqa: E402
 
 ARGS = dict(steps=8, lr=1e-2, depth=2, rows=12, val_drafts=2, eval_every=2, max_len=40, val_max_seqs=2, seed=0,
             ckpt_every=3, keep_checkpoints=2, resume_key="k")
@@ -76,7 +76,7 @@ def test_interrupted_mtp_training_resumes_bit_identically(tiny_target_info, item
     assert len({h["mtp_loss"] for h in full.history}) == 8 and full.resumed_from is None
     ck = tmp_path / "resumed"
     if how == "stop":
-        part = _train(tiny_target_info, items, ck, stop_at_step=5)
+        part = _train(tiny_target_info, items, ck, stop=StopAfter(5))
         assert part.interrupted and part.step == 5 and len(part.history) == 5
         at = 5
     else:  # batch_seqs 1: read n is step n; the last checkpoint before step 5 is step 3's
@@ -96,7 +96,7 @@ def test_interrupted_mtp_training_resumes_bit_identically(tiny_target_info, item
     again = _train(tiny_target_info, items, ck)  # finished: nothing is trained again, the same head comes back
     assert again.resumed_from == 8
     _same(full, again)
-    other = _train(tiny_target_info, items, ck, resume_key="other", stop_at_step=1)  # another config starts fresh
+    other = _train(tiny_target_info, items, ck, resume_key="other", stop=StopAfter(1))  # another config starts fresh
     assert other.resumed_from is None and other.step == 1
 
 

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.loop import train  # noqa: E402
-from train_fixtures import make_inputs, spawn_gloo, synthetic_items  # noqa: E402
+from train_fixtures import StopAfter, make_inputs, spawn_gloo, synthetic_items  # noqa: E402
 
 
 def cfg_for(**kw) -> TrainConfig:
@@ -54,10 +54,15 @@ def test_two_gloo_ranks_of_b_match_one_process_of_2b(tiny_target_info, items, tm
         torch.testing.assert_close(ddp["weights"][k], v, rtol=1e-3, atol=2e-4)  # Adam amplifies fp reassociation
 
 
+def stopping(inp, stop):
+    inp.stop = stop
+    return inp
+
+
 def test_interrupt_and_resume_matches_uninterrupted(tiny_target_info, items, tmp_path):
     cfg = cfg_for(max_steps=10, batch_seqs=2, ckpt_every=3, eval_every=5)
     full = train(make_inputs(tiny_target_info, cfg, items, items[:3], tmp_path / "full"))
-    part = train(make_inputs(tiny_target_info, cfg, items, items[:3], tmp_path / "resumed"), stop_at_step=7)
+    part = train(stopping(make_inputs(tiny_target_info, cfg, items, items[:3], tmp_path / "resumed"), StopAfter(7)))
     assert part.interrupted and part.step == 7 and len(part.history) == 7
     ck = torch.load(tmp_path / "resumed" / "step-00000007.pt", weights_only=False)
     assert ck["step"] == 7 and ck["optimizer"]["state"][0]["step"].item() == 7
@@ -71,5 +76,6 @@ def test_interrupt_and_resume_matches_uninterrupted(tiny_target_info, items, tmp
     for k, v in full.model.state_dict().items():
         torch.testing.assert_close(rest.model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
     # a different config never resumes from these checkpoints
-    other = train(make_inputs(tiny_target_info, cfg, items, items[:3], tmp_path / "resumed", resume_key="other"), stop_at_step=1)
+    other = train(stopping(make_inputs(tiny_target_info, cfg, items, items[:3], tmp_path / "resumed", resume_key="other"),
+                           StopAfter(1)))
     assert other.step == 1

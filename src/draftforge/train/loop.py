@@ -61,6 +61,7 @@ class TrainInputs:
     logger: Any = None  # draftforge.tracking.RunLogger (rank 0) or None
     # Objective term weights (drafter.settings.effective_loss_weights); None → the drafter type's default.
     loss_weights: dict[str, float] | None = None
+    stop: Any = None  # a train.stop.StopRequest: asked once per step whether to stop after it (None: never)
 
 
 @dataclass
@@ -314,118 +315,192 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
     model.load_state_dict(backbone, strict=False)
 
 
-def train(inp: TrainInputs, stop_at_step: int | None = None) -> TrainResult:
-    """Train (or resume) to cfg's total steps; `stop_at_step` simulates an interruption (tests)."""
+@dataclass
+class TrainState:
+    """What a checkpoint holds and each optimizer step advances."""
+
+    model: DFlashDrafter
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+
+    def payload(self, inp: TrainInputs) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "step": self.step, "history": self.history, "evals": self.evals, "best": self.best, "rng": rng_state(),
+                "resume_key": inp.resume_key, "dcfg": inp.dcfg.to_dict()}  # fmt: skip
+
+
+def new_state(inp: TrainInputs, total: int) -> TrainState:
+    """A fresh model and optimizer, or the newest checkpoint with this resume key restored into them."""
+    cfg = inp.cfg
+    model = build_model(inp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                            fused=inp.device.type == "cuda")
+    state = TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio)))
+    payload = load_latest(inp.ckpt_dir, inp.resume_key)
+    if payload is not None:
+        model.load_state_dict(payload["model"])
+        opt.load_state_dict(payload["optimizer"])
+        state.sched.load_state_dict(payload["scheduler"])
+        state.step, state.history, state.evals, state.best = payload["step"], payload["history"], payload["evals"], payload["best"]
+        set_rng_state(payload["rng"])
+    return state
+
+
+def training_module(model: DFlashDrafter, inp: TrainInputs) -> torch.nn.Module:
+    """What the forward runs through: DDP over ranks (else the model itself), draft layers compiled on request."""
+    if inp.cfg.compile:  # per layer: the mask is built outside the compiled regions
+        for layer in model.layers:
+            layer.compile()
+        compile_loss()
+    if inp.world > 1:
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[inp.device.index] if inp.device.type == "cuda" else None)
+    return model
+
+
+@dataclass
+class StepContext:
+    """The per-run constants an optimizer step needs."""
+
+    fwd: torch.nn.Module  # training_module(model)
+    weights: torch.Tensor  # (B,) slot weights
+    obj: Objective | None
+    dtype: torch.dtype
+    first_slot: int
+
+
+def optimizer_step(state: TrainState, sc: StepContext, inp: TrainInputs, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
+    """One step on this rank's share of the global batch → (record, globally summed [weight, weighted CE,
+    context tokens, block tokens, stop votes]). Summing the stop votes with the loss terms costs no extra
+    collective and makes every rank stop after the same step."""
+    cfg, dcfg = inp.cfg, inp.dcfg
+    batch = batch.to(inp.device)
+    with _autocast(inp.device, sc.dtype):
+        out = forward_batch(sc.fwd, inp.head, batch, sc.weights, cfg.attn_impl, sc.obj)
+    stop_vote = 1.0 if inp.stop is not None and inp.stop.requested() else 0.0
+    sums = torch.stack([out.weight_sum.float(), out.weighted_ce_sum.detach().float(),
+                        torch.tensor(float(batch.n_tokens), device=inp.device),
+                        batch.valid[..., sc.first_slot].sum().float() * dcfg.block_size,
+                        torch.tensor(stop_vote, device=inp.device)])  # fmt: skip
+    _all_reduce(sums, inp.world)
+    w_global = sums[0].clamp_min(1e-6)
+    (out.weighted_ce_sum / w_global * inp.world).backward()  # DDP averages: x world gives the global-batch gradient
+    params = [p for p in state.model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    state.opt.step()
+    state.sched.step()
+    state.opt.zero_grad(set_to_none=True)
+    state.step += 1
+    rec = {"step": state.step, "loss": float(sums[1] / w_global), "lr": state.sched.get_last_lr()[0],
+           "grad_norm": float(grad_norm)}  # float(): syncs the device, so step times are real
+    return rec, sums
+
+
+class Throughput:
+    """Steady-state speed (the first two steps of a process excluded: compile / warm-up) and the rate over
+    each logging window; evals and checkpoints are outside the timed spans."""
+
+    def __init__(self, first_step: int) -> None:
+        self.first_step = first_step
+        self.total = {"steps": 0.0, "seconds": 0.0, "ctx_tokens": 0.0, "block_tokens": 0.0}
+        self.window_start, self.window_ctx, self.window_blk = time.perf_counter(), 0.0, 0.0
+        self.step_start = time.perf_counter()
+
+    def begin_step(self) -> None:
+        self.step_start = time.perf_counter()
+
+    def end_step(self, step_index: int, ctx_tokens: float, block_tokens: float) -> None:
+        self.window_ctx += ctx_tokens
+        self.window_blk += block_tokens
+        if step_index >= self.first_step + 2:
+            for key, v in (("steps", 1.0), ("seconds", time.perf_counter() - self.step_start),
+                           ("ctx_tokens", ctx_tokens), ("block_tokens", block_tokens)):  # fmt: skip
+                self.total[key] += v
+
+    def window(self) -> dict[str, float]:
+        """Tokens/s since the last call (the logging window); starts the next window."""
+        dt = max(time.perf_counter() - self.window_start, 1e-9)
+        rates = {"ctx_tokens_per_s": self.window_ctx / dt, "block_tokens_per_s": self.window_blk / dt}
+        self.window_start, self.window_ctx, self.window_blk = time.perf_counter(), 0.0, 0.0
+        return rates
+
+    def summary(self) -> dict[str, float] | None:
+        t = self.total
+        if t["seconds"] <= 0:
+            return None
+        return {"steps": t["steps"], "seconds": t["seconds"], "ctx_tokens_per_s": t["ctx_tokens"] / t["seconds"],
+                "block_tokens_per_s": t["block_tokens"] / t["seconds"]}  # fmt: skip
+
+
+def validate(state: TrainState, inp: TrainInputs, dtype: torch.dtype) -> None:
+    """Val metrics at this step into state.evals; a new best (val_sim_tau) is kept as best.pt (rank 0)."""
+    if inp.val_source is None:
+        return
+    metrics = evaluate(state.model, inp, dtype)
+    metrics["step"] = state.step
+    state.evals.append(metrics)
+    rank0 = inp.rank == 0
+    if state.best is None or metrics["val_sim_tau"] > state.best["val_sim_tau"]:
+        state.best = dict(metrics)
+        if rank0:
+            save_best(inp.ckpt_dir, state.model.state_dict(), {"metrics": state.best, "resume_key": inp.resume_key})
+    if rank0 and inp.logger is not None:
+        inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=state.step)
+    if rank0:
+        log.info("step %d: val loss %.4f acc %.3f sim_tau %.3f", state.step, metrics["val_loss"], metrics["val_acc"],
+                 metrics["val_sim_tau"])
+
+
+def train(inp: TrainInputs) -> TrainResult:
+    """Train (or resume) to cfg's total steps. `inp.stop` (a StopRequest) ends the run early after a step,
+    with a checkpoint of that step written: the result is then `interrupted` and a rerun resumes there."""
     cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
     if cfg.batch_seqs < 1:
         raise ValueError(f"train.batch_seqs={cfg.batch_seqs}: need >= 1 sequence per rank")
     per_epoch, total = total_steps(cfg, len(inp.train_source), inp.world)
     dtype = compute_dtype(cfg, inp.device)
-    model = build_model(inp)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            fused=inp.device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
-    step, history, evals, best = 0, [], [], None
-    payload = load_latest(inp.ckpt_dir, inp.resume_key)
-    if payload is not None:
-        model.load_state_dict(payload["model"])
-        opt.load_state_dict(payload["optimizer"])
-        sched.load_state_dict(payload["scheduler"])
-        step, history, evals, best = payload["step"], payload["history"], payload["evals"], payload["best"]
-        set_rng_state(payload["rng"])
-    ddp = model
-    if inp.world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[inp.device.index] if inp.device.type == "cuda" else None)
-    if cfg.compile:  # per layer: the mask is built outside the compiled regions
-        for layer in model.layers:
-            layer.compile()
-        compile_loss()
-    fwd_model = ddp
-    weights = slot_weights(dcfg.block_size, cfg.loss_gamma, convention(dcfg)[0]).to(inp.device)
-    obj = make_objective(cfg, dcfg, inp.loss_weights)
+    state = new_state(inp, total)
+    first = convention(dcfg)[0]
+    sc = StepContext(training_module(state.model, inp), slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device),
+                     make_objective(cfg, dcfg, inp.loss_weights), dtype, first)
 
-    def checkpoint(at: int) -> None:
-        save_checkpoint_rank0(inp.ckpt_dir, at, lambda: {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "step": at, "history": history, "evals": evals, "best": best, "rng": rng_state(),
-            "resume_key": inp.resume_key, "dcfg": dcfg.to_dict(),
-        }, keep=cfg.keep_checkpoints, rank=inp.rank, world=inp.world)
-
-    def run_eval(at: int) -> None:
-        nonlocal best
-        if inp.val_source is None:
-            return
-        metrics = evaluate(model, inp, dtype)
-        metrics["step"] = at
-        evals.append(metrics)
-        if best is None or metrics["val_sim_tau"] > best["val_sim_tau"]:
-            best = dict(metrics)
-            if rank0:
-                save_best(inp.ckpt_dir, model.state_dict(), {"metrics": best, "resume_key": inp.resume_key})
-        if rank0 and inp.logger is not None:
-            inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=at)
-        if rank0:
-            log.info("step %d: val loss %.4f acc %.3f sim_tau %.3f", at, metrics["val_loss"], metrics["val_acc"], metrics["val_sim_tau"])
+    def checkpoint() -> None:
+        save_checkpoint_rank0(inp.ckpt_dir, state.step, lambda: state.payload(inp), keep=cfg.keep_checkpoints,
+                              rank=inp.rank, world=inp.world)
 
     interrupted = False
-    model.train()
-    it = Prefetcher(batches(inp, step, per_epoch, total), depth=cfg.prefetch)
-    bar = tqdm(total=total, initial=step, disable=not rank0, desc="train", unit="step")
-    t_last, tok_acc, blk_acc = time.perf_counter(), 0.0, 0.0
-    first_step, speed = step, {"steps": 0.0, "seconds": 0.0, "ctx_tokens": 0.0, "block_tokens": 0.0}
-    t_step = time.perf_counter()
+    state.model.train()
+    it = Prefetcher(batches(inp, state.step, per_epoch, total), depth=cfg.prefetch)
+    bar = tqdm(total=total, initial=state.step, disable=not rank0, desc="train", unit="step")
+    speed = Throughput(state.step)
     try:
-        for step_now, epoch, batch in it:
-            batch = batch.to(inp.device)
-            with _autocast(inp.device, dtype):
-                out = forward_batch(fwd_model, inp.head, batch, weights, cfg.attn_impl, obj)
-            sums = torch.stack([out.weight_sum.float(), out.weighted_ce_sum.detach().float(),
-                                torch.tensor(float(batch.n_tokens), device=inp.device),
-                                batch.valid[..., convention(dcfg)[0]].sum().float() * dcfg.block_size])
-            _all_reduce(sums, inp.world)
-            w_global = sums[0].clamp_min(1e-6)
-            loss = out.weighted_ce_sum / w_global * inp.world
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step = step_now + 1
-            tok_acc += float(sums[2])  # float(): syncs the device, so step times are real
-            blk_acc += float(sums[3])
-            if step_now >= first_step + 2:
-                speed["steps"] += 1
-                speed["seconds"] += time.perf_counter() - t_step
-                speed["ctx_tokens"] += float(sums[2])
-                speed["block_tokens"] += float(sums[3])
-            rec = {"step": step, "epoch": epoch, "loss": float(sums[1] / w_global), "lr": sched.get_last_lr()[0],
-                   "grad_norm": float(grad_norm)}
-            history.append(rec)
+        for step_index, epoch, batch in it:
+            rec, sums = optimizer_step(state, sc, inp, batch)
+            rec["epoch"] = epoch
+            speed.end_step(step_index, float(sums[2]), float(sums[3]))
+            state.history.append(rec)
             bar.update(1)
+            step = state.step
             if step % cfg.log_every == 0 or step == total:
-                dt = max(time.perf_counter() - t_last, 1e-9)
-                rec_log = {**rec, "ctx_tokens_per_s": tok_acc / dt, "block_tokens_per_s": blk_acc / dt}
-                t_last, tok_acc, blk_acc = time.perf_counter(), 0.0, 0.0
                 if rank0 and inp.logger is not None:
-                    inp.logger.log_metrics({k: v for k, v in rec_log.items() if k != "step"}, step=step)
+                    inp.logger.log_metrics({**{k: v for k, v in rec.items() if k != "step"}, **speed.window()}, step=step)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
             if step % cfg.eval_every == 0 or step == total:
-                run_eval(step)
-            if step % cfg.ckpt_every == 0 or step == total:
-                checkpoint(step)
-            if stop_at_step is not None and step >= stop_at_step and step < total:
-                if step % cfg.ckpt_every:
-                    checkpoint(step)
+                validate(state, inp, dtype)
+            saved = step % cfg.ckpt_every == 0 or step == total
+            if saved:
+                checkpoint()
+            if float(sums[4]) > 0 and step < total:  # a rank was asked to stop: all stop after this step
+                if not saved:
+                    checkpoint()
                 interrupted = True
                 break
-            t_step = time.perf_counter()
+            speed.begin_step()
     finally:
         it.close()
         bar.close()
-    throughput = None
-    if speed["seconds"] > 0:
-        throughput = {"steps": speed["steps"], "seconds": speed["seconds"],
-                      "ctx_tokens_per_s": speed["ctx_tokens"] / speed["seconds"],
-                      "block_tokens_per_s": speed["block_tokens"] / speed["seconds"]}  # fmt: skip
-    return TrainResult(model, history, evals, best, step, total, interrupted, throughput)
+    return TrainResult(state.model, state.history, state.evals, state.best, state.step, total, interrupted, speed.summary())

@@ -177,10 +177,11 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
               grad_clip: float = 1.0, device: torch.device | str = "cpu", logger: Any = None,
               progress: bool = False, batch_seqs: int = 1, rank: int = 0, world: int = 1,
               ckpt_dir: Path | None = None, resume_key: str = "", ckpt_every: int = 0, keep_checkpoints: int = 2,
-              stop_at_step: int | None = None) -> MTPResult:
+              stop: Any = None) -> MTPResult:
     """AdamW + cosine schedule over `steps` steps of `batch_seqs` sequences per rank (global batch
     batch_seqs x world), every rank training its share; resumes from ckpt_dir's latest checkpoint
-    with a matching resume_key. `stop_at_step` simulates an interruption (tests).
+    with a matching resume_key. `stop` (a train.stop.StopRequest) ends the run after a step, with that step's
+    checkpoint written (`interrupted`; a rerun resumes there).
 
     Determinism: step s takes the sequences epoch_order(seed, epoch) lists for it (the drafter's order)
     and samples each sequence's rows from a generator of (seed, s, sequence), so the stream depends on
@@ -271,7 +272,9 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
                 picks = depth_rows(seq, depth, rows, torch.Generator().manual_seed(_hash_seed(seed, step, i)))
                 counts += torch.tensor([p.numel() for p in picks], dtype=torch.float64, device=device)
                 work.append((seq, picks))
-            _all_reduce(counts, world)
+            vote = torch.tensor([1.0 if stop is not None and stop.requested() else 0.0], dtype=torch.float64, device=device)
+            counts = _all_reduce(torch.cat([counts, vote]), world)  # the stop votes ride with the row counts
+            stop_now, counts = bool(counts[depth] > 0), counts[:depth]
             active = counts > 0
             n_active = int(active.sum())
             ce = torch.zeros(depth, dtype=torch.float64, device=device)
@@ -304,7 +307,7 @@ def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
                 run_eval(step + 1)
             if (ckpt_every > 0 and (step + 1) % ckpt_every == 0) or step + 1 == steps:
                 checkpoint(step + 1)
-            if stop_at_step is not None and step + 1 >= stop_at_step and step + 1 < steps:
+            if stop_now and step + 1 < steps:  # a rank was asked to stop: all stop after this step
                 if not (ckpt_every > 0 and (step + 1) % ckpt_every == 0):
                     checkpoint(step + 1)
                 res.interrupted = True
@@ -324,10 +327,11 @@ _MTP_RESUME_KEYS = ("mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_dra
                     "warmup_ratio", "grad_clip")
 
 
-def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any) -> dict[str, Any] | None:
+def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any,
+                     stop: Any = None) -> dict[str, Any] | None:
     """The train stage's MTP part, on every rank: train (resuming from ctx.work_dir/mtp_checkpoints),
     then rank 0 exports to out_dir/mtp in vLLM's MiMo MTP format and returns the metrics.json entry
-    (None on other ranks)."""
+    (None on other ranks). A `stop` request ends it after a checkpointed step with one StageError."""
     from draftforge.drafter.mtp import export_mimo_head, new_trained_head
     from draftforge.errors import StageError
     from draftforge.io import sha256_file, sha256_json
@@ -349,7 +353,10 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
                     seed=cfg.seed, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip or 1.0, device=device,
                     logger=run, progress=ctx.is_rank0, batch_seqs=cfg.mtp_batch_seqs, rank=ctx.rank,
                     world=ctx.world_size, ckpt_dir=ctx.work_dir / MTP_CHECKPOINTS, resume_key=resume_key,
-                    ckpt_every=cfg.ckpt_every, keep_checkpoints=cfg.keep_checkpoints)  # fmt: skip
+                    ckpt_every=cfg.ckpt_every, keep_checkpoints=cfg.keep_checkpoints, stop=stop)  # fmt: skip
+    if res.interrupted:
+        raise StageError(f"train (mtp): stopped by {getattr(stop, 'reason', None) or 'request'} after step {res.step}/"
+                         f"{cfg.mtp_steps}; checkpoint in {ctx.work_dir / MTP_CHECKPOINTS}; rerun the same command to resume")
     if not ctx.is_rank0:
         return None
     selected = f"best val_mtp_sim_tau at step {res.best['step']}" if res.best else "last"

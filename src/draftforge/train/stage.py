@@ -35,6 +35,7 @@ from draftforge.train.features import open_features
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loop import TrainInputs, compute_dtype, global_batch, train
 from draftforge.train.loss import resolve_gamma
+from draftforge.train.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,12 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
                       "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
         with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}", params=run_params) as run:
             inputs.logger = run
-            result = train(inputs)
+            with StopRequest().on_signals() as stop:
+                inputs.stop = stop
+                result = train(inputs)
+            if result.interrupted:
+                raise StageError(f"train: stopped by {stop.reason or 'request'} after step {result.step}/{result.total_steps}; "
+                                 f"checkpoint in {inputs.ckpt_dir}; rerun the same command to resume")
             if ctx.is_rank0:
                 _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key)
         if ctx.world_size > 1:
@@ -169,7 +175,8 @@ def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
             with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}/mtp", params=ctx.params) as run:
                 from draftforge.train.mtp import run_mtp_training
 
-                mtp = run_mtp_training(ctx, cfg, info, device, run)  # every rank trains; rank 0 exports (None elsewhere)
+                with StopRequest().on_signals() as stop:
+                    mtp = run_mtp_training(ctx, cfg, info, device, run, stop)  # every rank trains; rank 0 exports (None elsewhere)
                 if mtp and mtp.get("best"):
                     run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
             if ctx.world_size > 1:
