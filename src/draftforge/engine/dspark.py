@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from draftforge.engine.methods import METHODS, DrafterContext, Features
+from draftforge.engine.methods import METHODS, DrafterContext, Features, tree_budget
 from draftforge.engine.target import TargetModel
 from draftforge.engine.tree import Tree, chain_tree
 
@@ -98,10 +98,8 @@ class DDTreeMarkov(_MarkovBase):
     name = "ddtree_markov"
 
     def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
-        if budget is None or budget < 1:
-            raise ValueError(f"ddtree_markov budget {budget} < 1")
+        self.budget = tree_budget(self.name, budget)
         super().__init__(tm, drafter)
-        self.budget = int(budget)
         self.verify_size = 1 + self.budget
 
     def draft(self, bonus: int, start: int) -> torch.Tensor:

@@ -102,16 +102,21 @@ class DFlashChain:
         self.ctx.add(feats.taps)
 
 
+def tree_budget(method: str, budget: int | None) -> int:
+    """A tree method's node budget (>= 1); it verifies 1 + budget rows (the bonus is the root)."""
+    if budget is None or budget < 1:
+        raise ValueError(f"{method} budget {budget} < 1")
+    return int(budget)
+
+
 class DDTree(DFlashChain):
     """DDTree: the best-first tree of `budget` nodes over the block's per-depth top-K log-probs."""
 
     name = "ddtree"
 
     def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
-        if budget is None or budget < 1:
-            raise ValueError(f"ddtree budget {budget} < 1")
+        self.budget = tree_budget(self.name, budget)
         super().__init__(tm, drafter)
-        self.budget = int(budget)
         self.verify_size = 1 + self.budget
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
