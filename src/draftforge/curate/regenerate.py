@@ -64,31 +64,53 @@ class HFBackend:
         self.pad_id = int(pad if pad is not None else min(eot))
 
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Generation]:
-        import torch
-
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
         out: list[Generation | None] = [None] * len(prompts)
-        sample = self.cfg.temperature > 0
         for b in range(0, len(order), self.cfg.batch_size):
-            idx = order[b : b + self.cfg.batch_size]
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)  # (b, T) left-padded
-            att = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                att[r, width - len(prompts[i]) :] = 1
-            torch.manual_seed(seeds[idx[0]])  # batch composition is fixed per chunk → reproducible
-            kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else {}
-            dev = getattr(self.model, "device", torch.device("cpu"))
+            self._generate_batch(order[b : b + self.cfg.batch_size], prompts, seeds, out)
+        return out  # type: ignore[return-value]
+
+    def _generate_batch(
+        self, idx: list[int], prompts: list[list[int]], seeds: list[int], out: list[Generation | None]
+    ) -> None:
+        """Rows `idx` as one left-padded generate call. Out of device memory (the KV cache grows with
+        every new token, so a batch that fit at its first step can fail hundreds of steps later): the
+        same rows again as two halves, recursively, rather than losing the chunk."""
+        import torch
+
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)  # (b, T) left-padded
+        att = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            att[r, width - len(prompts[i]) :] = 1
+        sample = self.cfg.temperature > 0
+        torch.manual_seed(seeds[idx[0]])  # batch composition is fixed per chunk → reproducible
+        kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else {}
+        dev = getattr(self.model, "device", torch.device("cpu"))
+        try:
             with torch.no_grad():
                 gen = self.model.generate(
                     input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=self.cfg.max_new_tokens,
                     eos_token_id=sorted(self.eot), pad_token_id=self.pad_id, do_sample=sample, **kw,
                 )  # (b, T + new)
-            for r, i in enumerate(idx):
-                new, finished = _cut(gen[r, width:].tolist(), self.eot)
-                out[i] = Generation(new, self.tok.decode(new, skip_special_tokens=True), finished)
-        return out  # type: ignore[return-value]
+        except torch.OutOfMemoryError:
+            if len(idx) == 1:
+                raise
+            gen = None  # split outside the handler: its traceback still holds the failed call's cache
+        if gen is None:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(idx) // 2
+            log.warning("regenerate: out of device memory at %d rows; %d + %d instead (curate.regenerate.batch_size=%d)",
+                        len(idx), half, len(idx) - half, self.cfg.batch_size)  # fmt: skip
+            self._generate_batch(idx[:half], prompts, seeds, out)
+            self._generate_batch(idx[half:], prompts, seeds, out)
+            return
+        for r, i in enumerate(idx):
+            new, finished = _cut(gen[r, width:].tolist(), self.eot)
+            out[i] = Generation(new, self.tok.decode(new, skip_special_tokens=True), finished)
 
     def close(self) -> None:
         self.model = None
