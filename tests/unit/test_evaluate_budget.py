@@ -121,13 +121,13 @@ def test_calibration_prompts_disjoint_from_eval_prompts():
 
 
 def _report_rows(with_auto: bool = True):
-    rows = [{"dataset": "humaneval", "engine": "draftforge", "method": "ar", "budget": None, "temperature": 0.0,
+    rows = [{"dataset": "humaneval", "engine": "draftforge", "drafter": "dflash", "method": "ar", "budget": None, "temperature": 0.0,
              "tokens_per_s": 10.0, "tokens_per_s_min": 9.0, "tokens_per_s_max": 11.0, "speedup_vs_ar": 1.0,
              "speedup_vs_ar_min": 1.0, "speedup_vs_ar_max": 1.0, "repeats": 3, "tau": 1.0, "status": "ok"},
             {"dataset": "humaneval", "engine": "vllm", "method": "ar", "budget": None, "temperature": 0.0,
              "tokens_per_s": 30.0, "tau": 1.0, "status": "ok"}]
     for b, tps in ((8, 9.0), (16, 12.0), (32, 11.0)):
-        rows.append({"dataset": "humaneval", "engine": "draftforge", "method": "ddtree", "budget": b, "temperature": 0.0,
+        rows.append({"dataset": "humaneval", "engine": "draftforge", "drafter": "dflash", "method": "ddtree", "budget": b, "temperature": 0.0,
                      "tokens_per_s": tps, "tokens_per_s_min": tps - 1, "tokens_per_s_max": tps + 0.5, "repeats": 3,
                      "speedup_vs_ar": tps / 10, "speedup_vs_ar_min": tps / 10 - 0.05, "speedup_vs_ar_max": tps / 10 + 0.05,
                      "tau": 1.5, "status": "ok", "best_budget": b == 16, "auto_budget": with_auto and b == 32,
@@ -147,6 +147,7 @@ def test_report_renders_spread_and_both_budgets(tmp_path):
     assert choice["auto"]["budget"] == 32 and choice["best"]["budget"] == 16
     line = budget_choice_lines([choice])[0]
     assert f"{AUTO_NAME}: 32" in line and f"{BEST_NAME}: 16" in line and "auto = **92%**" in line
+    assert "dflash/`ddtree`" in line
     assert "2 calibration prompts" in line
     off = budget_choice_lines(budget_choices(_report_rows(with_auto=False)))[0]
     assert f"{AUTO_NAME}: none — calibration disabled" in off and f"{BEST_NAME}: 16" in off
@@ -169,9 +170,9 @@ def test_stage_rows_and_calibration_split(tmp_path):
     run_stage("evaluate", main, argv=[
         "experiment=smoke", "target=tiny-random", f"results_root={tmp_path}", "tracking.enabled=false",
         "evaluate.datasets=[chitchat]", "evaluate.num_prompts=2",
-        "evaluate.max_new_tokens=8", "evaluate.methods=[ar,ddtree]", "evaluate.budgets=[1,8]", "evaluate.warmup=0",
+        "evaluate.max_new_tokens=8", "drafter=dflash", "evaluate.methods=[ar,ddtree]", "evaluate.budgets=[1,8]", "evaluate.warmup=0",
         "evaluate.repeats=2", "evaluate.calibration_prompts=1"])  # fmt: skip
-    per = json.loads((tmp_path / "smoke" / "evaluate" / "chitchat.json").read_text())
+    per = json.loads((tmp_path / "smoke" / "evaluate" / "dflash" / "chitchat.json").read_text())
     resp = per["responses"]
     assert {r["prompt_index"] for r in resp if r["split"] == "eval"} == {0, 1}
     assert {r["prompt_index"] for r in resp if r["split"] == "calibration"} == {2}
