@@ -7,8 +7,8 @@ the evaluation prompts (evaluate/prompts.py: the next ones of the same held-out 
 - cost(b): the mean round time, decode seconds ÷ rounds, its median over the timed repeats.
 
 τ(b) / cost(b) is the predicted decode tokens per second; `choose_budget` picks the budget maximising it.
-That budget is fixed before any evaluation prompt is looked at, so its evaluation tokens/s is an honest
-number; the oracle-best budget (highest tokens/s on the evaluation data, `aggregate.mark_best`) is
+That budget is a function of the calibration records alone (evaluate runs them after the evaluation
+prompts, but nothing of those enters the choice), so its evaluation tokens/s is an honest number; the oracle-best budget (highest tokens/s on the evaluation data, `aggregate.mark_best`) is
 reported beside it, and auto ÷ oracle says what choosing on held-out data costs.
 """
 

@@ -32,7 +32,7 @@ from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
 BEST_NOTE = ("best DDTree budget (oracle) = highest decode tokens/s, chosen on the evaluation data itself (as published "
-             "numbers do); auto budget = highest τ/round cost on the calibration prompts, fixed before evaluation")
+             "numbers do); auto budget = highest τ/round cost on the calibration prompts, chosen without the evaluation data")
 
 
 def evaluate_config(ctx) -> EvaluateConfig:

@@ -201,7 +201,7 @@ def build_report(ctx) -> dict[str, Any]:
         f"Standalone-engine tokens/s and speedup: median over {repeats} interleaved timed repeat(s), [min–max] over "
         "repeats; speedup = median of the per-repeat TPOT ratios (AR and method timed side by side in each repeat).",
         f"Tree budgets: the **{AUTO_NAME}** maximises τ(b) / round cost(b) measured on calibration prompts (the next "
-        f"prompts of each held-out set, disjoint from the evaluation prompts), fixed before evaluation; the **{BEST_NAME}** "
+        f"prompts of each held-out set, disjoint from the evaluation prompts), chosen without the evaluation data; the **{BEST_NAME}** "
         "has the highest tokens/s on the evaluation prompts themselves (as published numbers do).",
         "",
         f"## Tree budget per dataset, drafter and tree method: {AUTO_NAME} vs {BEST_NAME}",
