@@ -46,7 +46,8 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     assert len(first) == 2 * 2 * 4 and "best" in per["note"] and "auto" in per["note"]
     repeats = {r["repeat"] for r in per["responses"]}
     assert len(per["responses"]) == len(repeats) * (2 * 2 * 4 + 2 * 2 * 2)  # + calibration: 2 T × 2 prompts × 2 budgets
-    assert sum(r.get("auto_budget", False) for r in rows) == 4 and all(r["repeats"] == len(repeats) for r in rows)
+    assert all(r["repeats"] == len(repeats) for r in rows)
+    assert sum(r["auto_budget"] for r in rows if r["dataset"] == "chitchat" and r["temperature"] == 0.0 and r["method"] == "ddtree") == 1
     resp = first[0]
     assert {"tokens", "accept_lengths", "stage_s", "ttft_s", "decode_s", "tpot_s"} <= set(resp)
     assert (out / "evaluate.json").stat().st_mtime >= (out / "gsm_symbolic.json").stat().st_mtime
