@@ -25,7 +25,7 @@ def _args(root: Path, *extra: str) -> list[str]:
 
 def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     tiny_pipeline(tmp_path)
-    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]"))
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]", "evaluate.calibration_prompts=2"))
     out = tmp_path / "smoke" / "evaluate" / "dflash"
     marker = json.loads((out / "evaluate.json").read_text())
     assert marker["datasets"] == ["chitchat", "gsm_symbolic"]
@@ -42,8 +42,13 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     assert all(r["tau"] == 1.0 and r["speedup_vs_ar"] == pytest.approx(1.0) for r in ar)
     assert sum(r.get("best_budget", False) for r in rows) == 4  # one best budget per dataset × temperature
     per = json.loads((out / "chitchat.json").read_text())
-    assert len(per["responses"]) == 2 * 2 * 4 and "best" in per["note"]
-    resp = per["responses"][0]
+    first = [r for r in per["responses"] if r["split"] == "eval" and r["repeat"] == 0]
+    assert len(first) == 2 * 2 * 4 and "best" in per["note"] and "auto" in per["note"]
+    repeats = {r["repeat"] for r in per["responses"]}
+    assert len(per["responses"]) == len(repeats) * (2 * 2 * 4 + 2 * 2 * 2)  # + calibration: 2 T × 2 prompts × 2 budgets
+    assert all(r["repeats"] == len(repeats) for r in rows)
+    assert sum(r["auto_budget"] for r in rows if r["dataset"] == "chitchat" and r["temperature"] == 0.0 and r["method"] == "ddtree") == 1
+    resp = first[0]
     assert {"tokens", "accept_lengths", "stage_s", "ttft_s", "decode_s", "tpot_s"} <= set(resp)
     assert (out / "evaluate.json").stat().st_mtime >= (out / "gsm_symbolic.json").stat().st_mtime
     import mlflow
@@ -65,12 +70,14 @@ def test_torchrun_data_parallel_cpu(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
            "draftforge.evaluate", *_args(tmp_path, "tracking.enabled=false", "evaluate.num_prompts=3",
-                                         "evaluate.datasets=[chitchat]", "evaluate.warmup=0")]
+                                         "evaluate.datasets=[chitchat]", "evaluate.warmup=0", "evaluate.calibration_prompts=2")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     per = json.loads((tmp_path / "smoke" / "evaluate" / "dflash" / "chitchat.json").read_text())
-    assert sorted({r["prompt_index"] for r in per["responses"]}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
-    assert len(per["responses"]) == 3 * 4
+    evald = [r for r in per["responses"] if r["split"] == "eval"]
+    assert sorted({r["prompt_index"] for r in evald}) == [0, 1, 2]  # rank 0 took 0, 2; rank 1 took 1
+    assert len(evald) == 3 * 4 * len({r["repeat"] for r in evald})
+    assert sorted({r["prompt_index"] for r in per["responses"] if r["split"] == "calibration"}) == [3, 4]
     assert all(r["n_prompts"] == 3 and r["lossless_mismatches"] == 0 for r in per["rows"])
 
 

@@ -1,18 +1,30 @@
 """Per-response records → one row per (dataset, temperature, method, budget) (metrics: docs/architecture.md, "Decoding and metrics").
 
-- tokens_per_s: decode tokens / decode seconds summed over responses (prefill, TTFT and the draft's
-  first context prefill excluded); tpot_ms: mean per-response decode time per decode token.
-- tau: tokens committed per target verification forward, bonus included, over all rounds.
-- speedup_vs_ar: mean TPOT(AR) / mean TPOT(method) on the same prompts.
+Records carry `repeat` (timed pass, runner.run_dataset) and `split` ("eval" / "calibration"); rows are
+built from the eval records, calibration records only choose the auto budget (evaluate/budget.py).
+
+- tokens_per_s: per repeat, decode tokens / decode seconds summed over responses (prefill, TTFT and the
+  draft's first context prefill excluded); the row reports the median over repeats and
+  tokens_per_s_min / tokens_per_s_max (the spread: with a handful of repeats min..max is what there is).
+- speedup_vs_ar: per repeat, mean TPOT(AR) / mean TPOT(method) on the same prompts; the row reports the
+  median of these per-repeat ratios (and their min / max), not the ratio of medians: each per-repeat
+  ratio pairs AR and the method timed side by side, prompt by prompt, so a slow period that lands on a
+  repeat scales both and cancels, while a ratio of medians may divide numbers from different periods.
+- tpot_ms, ttft_ms, stage_ms: medians over repeats of the per-repeat means.
+- tau: tokens committed per target verification forward, bonus included, over all rounds (first repeat:
+  tokens are deterministic, repeats only re-time; `repeat_mismatches` counts responses of later
+  repeats whose tokens differ from the first's — 0 expected at T = 0).
 - lossless_mismatches (T = 0 only): responses whose tokens differ from AR's on the same prompt/turn.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, defaultdict
 from typing import Any, Sequence
 
+from draftforge.evaluate.budget import TREE_METHODS, mark_auto
 from draftforge.rows import Row, new_row
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -35,21 +47,54 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list[Row]:
+def _median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) of the known values."""
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
+
+
+def _by_repeat(rs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rs:
+        out[int(r.get("repeat", 0))].append(r)
+    return dict(sorted(out.items()))
+
+
+def _tokens_per_s(rs: list[dict[str, Any]]) -> float | None:
+    decode_s = sum(r["decode_s"] for r in rs)
+    return sum(r["n_decode"] for r in rs) / decode_s if decode_s > 0 else None
+
+
+def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibration_prompts: int = 0) -> list[Row]:
+    """Rows of the eval records (all repeats); calibration records (split "calibration") choose the
+    auto budget when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0."""
+    calibration = [r for r in records if r.get("split", "eval") == "calibration"]
+    records = [r for r in records if r.get("split", "eval") == "eval"]
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         groups[_key(r)].append(r)
+    first_repeat = min((int(r.get("repeat", 0)) for r in records), default=0)
+    first = {k: [r for r in rs if int(r.get("repeat", 0)) == first_repeat] for k, rs in groups.items()}
     ar_tokens = {(r["dataset"], float(r["temperature"]), r["prompt_index"], r["turn"]): r["tokens"]
-                 for r in records if r["method"] == "ar"}
-    ar_tpot = {(d, t): _mean([r["tpot_s"] for r in rs]) for (d, t, m, _), rs in groups.items() if m == "ar"}
+                 for r in records if r["method"] == "ar" and int(r.get("repeat", 0)) == first_repeat}
+    ar_tpot = {(d, t): {k: _mean([r["tpot_s"] for r in rep]) for k, rep in _by_repeat(rs).items()}
+               for (d, t, m, _), rs in groups.items() if m == "ar"}  # fmt: skip
     rows: list[Row] = []
     order = {"ar": 0, "mtp": 1, "dflash": 2, "dspark": 3, "ddtree": 4, "ddtree_markov": 5}  # chains, then trees by budget
-    for (dataset, temp, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
+    for (dataset, temp, method, budget), all_rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
+        rs = first[(dataset, temp, method, budget)]
+        reps = _by_repeat(all_rs)
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
-        decode_s = sum(r["decode_s"] for r in rs)
-        tpot = _mean([r["tpot_s"] for r in rs])
-        base = ar_tpot.get((dataset, temp))
+        tps, tps_min, tps_max = _spread([_tokens_per_s(rep) for rep in reps.values()])
+        tpots = {k: _mean([r["tpot_s"] for r in rep]) for k, rep in reps.items()}
+        base = ar_tpot.get((dataset, temp), {})
+        speedup, speedup_min, speedup_max = _spread([base[k] / t for k, t in tpots.items() if base.get(k) and t])
         mismatches = None
         mismatch_at: list[int] = []
         if temp == 0.0:
@@ -60,27 +105,34 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge") -> list
                 if at is not None:
                     mismatches += 1
                     mismatch_at.append(at)
-        stage_ms = {s: _ms(_mean([x for r in rs for x in r["stage_s"].get(s, [])])) for s in STAGES}
+        ref_tokens = {(r["prompt_index"], r["turn"]): r["tokens"] for r in rs}
+        repeat_mismatches = sum(1 for r in all_rs if int(r.get("repeat", 0)) != first_repeat
+                                and r["tokens"] != ref_tokens.get((r["prompt_index"], r["turn"])))  # fmt: skip
+        stage_ms = {s: _ms(_median([_mean([x for r in rep for x in r["stage_s"].get(s, [])]) for rep in reps.values()]))
+                    for s in STAGES}  # fmt: skip
         known = [v for v in stage_ms.values() if v is not None]
         round_ms = sum(known) if known else None  # mean round = sum of mean stage times
         overhead = (stage_ms["build"] or 0) + (stage_ms["commit"] or 0)
         rows.append(new_row(
             dataset, method, engine, temp, budget=budget,
-            tokens_per_s=decode_tokens / decode_s if decode_s > 0 else None,
-            tpot_ms=_ms(tpot), ttft_ms=_ms(_mean([r["ttft_s"] for r in rs])),
+            tokens_per_s=tps, tokens_per_s_min=tps_min, tokens_per_s_max=tps_max,
+            tpot_ms=_ms(_median(list(tpots.values()))),
+            ttft_ms=_ms(_median([_mean([r["ttft_s"] for r in rep]) for rep in reps.values()])),
             tau=sum(accepts) / len(accepts) if accepts else None,
-            speedup_vs_ar=(base / tpot) if base and tpot else None,
+            speedup_vs_ar=speedup, speedup_vs_ar_min=speedup_min, speedup_vs_ar_max=speedup_max,
+            repeats=len(reps), repeat_mismatches=repeat_mismatches,
             lossless_mismatches=mismatches, mismatch_positions=mismatch_at,
             n_prompts=len({r["prompt_index"] for r in rs}), n_responses=len(rs),
             decode_tokens=decode_tokens, rounds=len(accepts),
             tau_histogram={str(k): v for k, v in sorted(Counter(accepts).items())},
             stage_ms=stage_ms, round_ms=round_ms,
             overhead_pct=100.0 * overhead / round_ms if round_ms and method != "ar" else None,
-            draft_prefill_ms=_ms(_mean([r["draft_prefill_s"] for r in rs])) if method != "ar" else None,
+            draft_prefill_ms=_ms(_median([_mean([r["draft_prefill_s"] for r in rep]) for rep in reps.values()])) if method != "ar" else None,
         ))  # fmt: skip
         if method == "mtp":
             rows[-1]["mtp_source"] = rs[0].get("mtp_source")
     mark_best(rows)
+    mark_auto(rows, calibration, calibration_prompts)
     return rows
 
 
@@ -91,14 +143,13 @@ def _ms(s: float | None) -> float | None:
 def mark_best(rows: list[dict[str, Any]]) -> None:
     """Flag the budget with the highest tokens/s per (dataset, temperature) of each tree method: chosen on
     the evaluation data itself, as the published numbers do."""
-    trees = ("ddtree", "ddtree_markov")
     best: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] not in trees or row["tokens_per_s"] is None:
+        if row["method"] not in TREE_METHODS or row["tokens_per_s"] is None:
             continue
         k = (row["dataset"], row["temperature"], row["method"])
         if k not in best or row["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = row
     for row in rows:
-        if row["method"] in trees:
+        if row["method"] in TREE_METHODS:
             row["best_budget"] = best.get((row["dataset"], row["temperature"], row["method"])) is row

@@ -52,6 +52,12 @@ class EvaluateConfig:
     mtp_drafts: int = 3  # draft tokens per round of the `mtp` method (the MTP layer applied recursively)
     gpus: int = 0  # 0 = CPU; N = one model copy per GPU rank (torchrun --nproc_per_node N)
     warmup: int = 1  # prompts run (and discarded) per method before measuring
+    # Timed passes over the prompts (interleaved, see evaluate/runner.py): rows report the median tokens/s
+    # and speedup over repeats with their min and max. Tokens are the same in every repeat at T = 0.
+    repeats: int = 3
+    # Per dataset, the prompts of the same held-out pool right after the evaluation ones: the tree methods'
+    # τ and round cost by budget on them choose the auto budget (evaluate/budget.py). 0 = no calibration.
+    calibration_prompts: int = 2
     seed: int = 0  # sampling seed at T > 0 (per prompt: seed + prompt index)
     dtype: str = ""  # "" → float32 on CPU, target.dtype on GPU
     # Target/drafter steps: eager, or captured (static shapes at a fixed capacity, one CUDA graph per verify
@@ -73,5 +79,8 @@ class EvaluateConfig:
         check(self.num_prompts >= 0, "evaluate.num_prompts", f"{self.num_prompts} must be >= 0 (0 = all)")
         check(self.gpus >= 0, "evaluate.gpus", f"{self.gpus} must be >= 0")
         check(self.warmup >= 0, "evaluate.warmup", f"{self.warmup} must be >= 0")
+        check(isinstance(self.repeats, int) and self.repeats >= 1, "evaluate.repeats", f"{self.repeats} must be an integer >= 1")
+        check(isinstance(self.calibration_prompts, int) and self.calibration_prompts >= 0, "evaluate.calibration_prompts",
+              f"{self.calibration_prompts} must be an integer >= 0 (0 = no calibration, no auto budget)")  # fmt: skip
         check(self.mtp_drafts >= 1, "evaluate.mtp_drafts", f"{self.mtp_drafts} must be >= 1")
         check(self.dtype in COMPUTE_DTYPES, "evaluate.dtype", f"{self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")

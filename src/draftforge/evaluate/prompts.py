@@ -213,3 +213,33 @@ def eval_prompt_sets(cfg: Any, limit: int | None = None) -> dict[str, list[Messa
         prompts = load_prompt_set(str(name), ev)
         sets[str(name)] = prompts[:limit] if limit else prompts
     return sets
+
+
+def eval_and_calibration_sets(cfg: Any) -> tuple[dict[str, list[Messages]], dict[str, list[tuple[int, Messages]]]]:
+    """(evaluation prompts, calibration prompts) per dataset, each held-out pool loaded once.
+
+    Evaluation: the pool's first `num_prompts` (all when 0), exactly `eval_prompt_sets(cfg, limit=num_prompts)`
+    (baselines runs the same prompts). Calibration: the next `calibration_prompts` of the same pool as
+    (pool index, messages), so indices ≥ num_prompts, skipping any whose messages equal an evaluation
+    prompt's (or an earlier calibration prompt's): disjoint from the evaluation prompts in index and
+    content, and held out from training like them (curate decontaminates against whole pools). Empty
+    when the evaluation prompts take the whole pool (num_prompts = 0) or calibration_prompts = 0; shorter
+    than asked when the pool runs out.
+    """
+    ev = _evaluate_section(cfg)
+    n, k = int(ev.num_prompts), int(getattr(ev, "calibration_prompts", 0))
+    evals, calib = {}, {}
+    for name in ev.datasets:
+        prompts = load_prompt_set(str(name), ev)
+        evals[str(name)] = prompts[:n] if n else prompts
+        seen = {json.dumps(p, sort_keys=True) for p in evals[str(name)]}
+        picked: list[tuple[int, Messages]] = []
+        for index in range(n, len(prompts)) if n else ():
+            if len(picked) >= k:
+                break
+            key = json.dumps(prompts[index], sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                picked.append((index, prompts[index]))
+        calib[str(name)] = picked
+    return evals, calib

@@ -1,9 +1,14 @@
 """Run AR / DFlash / DDTree on the same prompts (batch 1) and record one dict per response.
 
 A method config is (method, budget): ("ar", None), ("dflash", None), ("ddtree", b) per budget.
-For every prompt all method configs run back to back (interleaved, so slow drift in machine speed
-hits every method alike) with the same sampling seed. Multi-turn prompts (consecutive user turns,
-MT-Bench) are answered turn by turn, each method continuing from its own answers.
+Timing order (`run_dataset`), the invariant the medians rely on: each of the `repeats` timed repeats is
+one whole pass over the prompts, and within a pass every prompt runs every method config back to back
+(with the same sampling seed) before the next prompt starts. So a slow period of a shared machine hits
+all configs of the prompts it overlaps alike (the per-repeat speedups, AR and method timed side by side,
+stay honest), and it hits only the repeat(s) it overlaps (the median over repeats drops it). The config
+order within a prompt is rotated by ⌊r·n/R⌋ in repeat r (n configs, R repeats), so no config always runs
+first after a prompt switch. Multi-turn prompts (consecutive user turns, MT-Bench) are answered turn by
+turn, each method continuing from its own answers (all turns of one config back to back).
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from tqdm import tqdm
 from draftforge import chat
 from draftforge.engine import METHODS, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
+from draftforge.evaluate.budget import TREE_METHODS  # methods swept over evaluate.budgets
 
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
 KNOWN_METHODS = ("ar", *METHODS)
-TREE_METHODS = ("ddtree", "ddtree_markov")  # methods swept over evaluate.budgets
 
 
 @dataclass
@@ -82,15 +87,27 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
 
 
 def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temperature: float,
-           budget: int | None) -> dict[str, Any]:
+           budget: int | None, repeat: int = 0, split: str = "eval") -> dict[str, Any]:
     return {
         "dataset": dataset, "prompt_index": prompt_index, "turn": turn, "method": res.method, "budget": budget,
-        "temperature": temperature, "prompt_len": res.prompt_len, "n_tokens": len(res.tokens),
-        "n_decode": res.n_decode, "ttft_s": res.ttft_s, "decode_s": res.decode_s,
+        "temperature": temperature, "split": split, "repeat": repeat, "prompt_len": res.prompt_len,
+        "n_tokens": len(res.tokens), "n_decode": res.n_decode, "ttft_s": res.ttft_s, "decode_s": res.decode_s,
         "draft_prefill_s": res.draft_prefill_s, "tpot_s": res.tpot_s if res.n_decode else None,
         "tokens_per_s": res.tokens_per_s if res.n_decode else None, "accept_lengths": res.accept_lengths,
         "stage_s": res.stage_s, "tokens": res.tokens,
     }  # fmt: skip
+
+
+def rotated(plan: Sequence[MethodCfg], repeat: int, repeats: int) -> list[MethodCfg]:
+    """The plan rotated left by ⌊repeat·n/repeats⌋: over the repeats each config leads at evenly spread places."""
+    n = len(plan)
+    k = (repeat * n // max(1, repeats)) % n if n else 0
+    return list(plan[k:]) + list(plan[:k])
+
+
+def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
+    """The configs calibration measures: every budget of every tree method."""
+    return [(m, b) for m, b in plan if m in TREE_METHODS]
 
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
@@ -102,29 +119,43 @@ def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature:
 
 
 def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Sequence[tuple[int, Messages]],
-                temperature: float, seed: int, warmup: int, show: bool = True) -> list[dict[str, Any]]:
-    """All method configs on (index, prompt) pairs of one dataset at one temperature."""
+                temperature: float, seed: int, warmup: int, show: bool = True, repeats: int = 1,
+                split: str = "eval") -> list[dict[str, Any]]:
+    """All method configs on (index, prompt) pairs of one dataset at one temperature, `repeats` timed
+    passes in the order the module docstring states. Records carry `repeat` and `split` ("eval", or
+    "calibration" for the prompts that choose the auto budget)."""
     out: list[dict[str, Any]] = []
-    if not prompts:
+    if not prompts or not plan:
         return out
     if warmup > 0:
         warm_up(es, plan, prompts[0][1], temperature, warmup)
-    for index, messages in tqdm(prompts, desc=f"evaluate {dataset} T={temperature}", disable=not show):
-        turns = split_turns(messages)
-        for method in plan:
-            history_extra: list[dict[str, str]] = []  # this method's own answers to earlier turns
-            for turn, conv in enumerate(turns):
-                if turn:
-                    conv = _with_answers(conv, history_extra)
-                ids = chat.prompt_ids(es.tokenizer, conv)
-                res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
-                out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
-                                  budget=method[1]))
-                if method[0] == "mtp":  # "native" (the target's MTP layer) or "trained" (train/mtp)
-                    out[-1]["mtp_source"] = getattr(es.mtp, "source", None)
-                if turn + 1 < len(turns):
-                    history_extra.append({"role": "assistant",
-                                          "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})
+    for repeat in range(repeats):
+        desc = f"evaluate {dataset} T={temperature}" + (" calibration" if split != "eval" else "")
+        desc += f" repeat {repeat + 1}/{repeats}" if repeats > 1 else ""
+        for index, messages in tqdm(prompts, desc=desc, disable=not show):
+            for method in rotated(plan, repeat, repeats):
+                out += run_turns(es, method, dataset, index, messages, temperature, seed, repeat=repeat, split=split)
+    return out
+
+
+def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messages: Messages, temperature: float,
+              seed: int, repeat: int = 0, split: str = "eval") -> list[dict[str, Any]]:
+    """One method config on every turn of one prompt → one record per turn."""
+    out: list[dict[str, Any]] = []
+    turns = split_turns(messages)
+    history_extra: list[dict[str, str]] = []  # this method's own answers to earlier turns
+    for turn, conv in enumerate(turns):
+        if turn:
+            conv = _with_answers(conv, history_extra)
+        ids = chat.prompt_ids(es.tokenizer, conv)
+        res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
+        out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
+                          budget=method[1], repeat=repeat, split=split))
+        if method[0] == "mtp":  # "native" (the target's MTP layer) or "trained" (train/mtp)
+            out[-1]["mtp_source"] = getattr(es.mtp, "source", None)
+        if turn + 1 < len(turns):
+            history_extra.append({"role": "assistant",
+                                  "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})
     return out
 
 

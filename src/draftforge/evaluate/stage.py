@@ -3,7 +3,9 @@ DDTree; dspark: DSpark / DDTree / DDTree-Markov; mtp: MTP) on the eval prompt se
 
 Outputs: `<dataset>.json` (rows + per-response records) per dataset, then the marker
 `evaluate.json` (all rows; row keys shared with `baselines` so `report` merges them).
-One MLflow run per (dataset, method, budget, temperature), tagged method/dataset/budget/engine.
+One MLflow run per (dataset, method, budget, temperature), tagged method/dataset/budget/engine (tree
+methods: auto_budget / best_budget). Timing: evaluate.repeats interleaved passes (runner.run_dataset), rows
+report medians with min/max; calibration prompts choose the auto budget (evaluate/budget.py).
 CPU by default; with evaluate.gpus = N under torchrun each rank holds one model copy on its GPU,
 takes every N-th prompt, and rank 0 merges the records.
 """
@@ -22,14 +24,15 @@ from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.config import EvaluateConfig
-from draftforge.evaluate.prompts import eval_prompt_sets
-from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset
+from draftforge.evaluate.prompts import eval_and_calibration_sets
+from draftforge.evaluate.runner import EngineSet, calibration_plan, method_plan, run_dataset
 from draftforge.io import write_json
 from draftforge.runtime import dtype_named, init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
 
 log = logging.getLogger(__name__)
-BEST_NOTE = "best DDTree budget = highest decode tokens/s, chosen on the evaluation data itself (as published numbers do)"
+BEST_NOTE = ("best DDTree budget (oracle) = highest decode tokens/s, chosen on the evaluation data itself (as published "
+             "numbers do); auto budget = highest τ/round cost on the calibration prompts, chosen without the evaluation data")
 
 
 def evaluate_config(ctx) -> EvaluateConfig:
@@ -153,7 +156,7 @@ def main(ctx) -> None:
     if device.type == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
-    sets = eval_prompt_sets(cfg, limit=cfg.num_prompts or None)
+    sets, calib = eval_and_calibration_sets(cfg)
     es = load_engines(ctx, cfg, info, plan, device, dtype)
 
     all_rows: list[dict[str, Any]] = []
@@ -162,24 +165,31 @@ def main(ctx) -> None:
         mine = [(i, p) for i, p in enumerate(prompts) if i % ctx.world_size == ctx.rank]
         records: list[dict[str, Any]] = []
         for temp in cfg.temperatures:
-            records += run_dataset(es, plan, dataset, mine, float(temp), cfg.seed, cfg.warmup, show=ctx.is_rank0)
+            records += run_dataset(es, plan, dataset, mine, float(temp), cfg.seed, cfg.warmup, show=ctx.is_rank0,
+                                   repeats=cfg.repeats)
+            records += run_dataset(es, calibration_plan(plan), dataset, [(i, p) for i, p in calib[dataset] if i % ctx.world_size == ctx.rank],
+                                   float(temp), cfg.seed, 0, show=ctx.is_rank0, repeats=cfg.repeats, split="calibration")  # fmt: skip
         records = gather_records(ctx, records)
         if not ctx.is_rank0:
             continue
-        rows = aggregate(records)
+        rows = aggregate(records, calibration_prompts=cfg.calibration_prompts)
         for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
             row["drafter"] = ctx.drafter
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
         write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
                           "device": str(device), "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE,
-                          "rows": rows, "responses": sorted(records, key=lambda r: (r["prompt_index"], r["turn"]))})
+                          "rows": rows, "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))})
         files[dataset] = path.name
         log_rows(ctx, rows)
         for row in rows:
-            log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f tau=%.2f speedup=%.2f mismatches=%s", dataset,
-                     row["temperature"], row["method"], row["budget"], row["tokens_per_s"] or 0, row["tau"] or 0,
-                     row["speedup_vs_ar"] or 0, row["lossless_mismatches"])
+            flags = "".join(f" {f}" for f in ("auto_budget", "best_budget") if row.get(f))
+            log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f [%.1f..%.1f] tau=%.2f speedup=%.2f mismatches=%s%s", dataset,
+                     row["temperature"], row["method"], row["budget"], row["tokens_per_s"] or 0, row["tokens_per_s_min"] or 0,
+                     row["tokens_per_s_max"] or 0, row["tau"] or 0, row["speedup_vs_ar"] or 0, row["lossless_mismatches"], flags)
+            if row["repeat_mismatches"]:
+                log.warning("%s %s@%s: %d responses of later repeats differ from the first repeat's tokens", dataset,
+                            row["method"], row["budget"], row["repeat_mismatches"])
     if ctx.is_rank0:
         write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
             "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
@@ -202,14 +212,18 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
         tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
                 "engine": "draftforge", "temperature": row["temperature"]}
         if row["method"] in ("ddtree", "ddtree_markov"):
-            tags["best_budget"] = row.get("best_budget", False)
+            tags["best_budget"] = row.get("best_budget", False)  # oracle: chosen on the evaluation data
+            tags["auto_budget"] = row.get("auto_budget", False)  # calibrated: chosen before evaluation
         if row.get("mtp_source"):
             tags["mtp_source"] = row["mtp_source"]
         name = f"{ctx.drafter}/{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
-            metrics = {k: row[k] for k in ("tokens_per_s", "tpot_ms", "ttft_ms", "tau", "speedup_vs_ar",
-                                           "lossless_mismatches", "round_ms", "overhead_pct", "draft_prefill_ms")
-                       if isinstance(row.get(k), (int, float))}
+            metrics = {k: row[k] for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tpot_ms", "ttft_ms",
+                                           "tau", "speedup_vs_ar", "speedup_vs_ar_min", "speedup_vs_ar_max", "repeats",
+                                           "repeat_mismatches", "lossless_mismatches", "round_ms", "overhead_pct",
+                                           "draft_prefill_ms", "calibration_tau", "calibration_round_ms",
+                                           "calibration_tokens_per_s", "auto_vs_best")
+                       if isinstance(row.get(k), (int, float)) and not isinstance(row.get(k), bool)}
             metrics.update({f"stage_ms_{s}": v for s, v in row["stage_ms"].items() if v is not None})
             run.log_metrics(metrics)
             for k, count in row["tau_histogram"].items():

@@ -28,6 +28,14 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['engine']}:{method_label(row)}{budget}"
 
 
+def _err(row: dict[str, Any], key: str) -> tuple[float, float]:
+    """(below, above) the median: the row's min..max spread over repeats (0, 0 without one)."""
+    mid, lo, hi = row.get(key), row.get(f"{key}_min"), row.get(f"{key}_max")
+    if mid is None or lo is None or hi is None:
+        return 0.0, 0.0
+    return max(0.0, float(mid) - float(lo)), max(0.0, float(hi) - float(mid))
+
+
 def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
     ok = [r for r in rows if r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None]
     datasets = sorted({str(r.get("dataset")) for r in ok})
@@ -36,9 +44,11 @@ def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
         sub = [r for r in ok if str(r.get("dataset")) == dataset]
         labels = [_label(r) for r in sub]
         colors = ["tab:blue" if r["engine"] == "draftforge" else "tab:orange" for r in sub]
-        ax.barh(labels, [float(r["tokens_per_s"]) for r in sub], color=colors)
+        errs = [_err(r, "tokens_per_s") for r in sub]
+        ax.barh(labels, [float(r["tokens_per_s"]) for r in sub], color=colors,
+                xerr=[[e[0] for e in errs], [e[1] for e in errs]], error_kw={"elinewidth": 0.8, "capsize": 2})
         ax.set_title(dataset)
-        ax.set_xlabel("decode tokens/s (batch 1)")
+        ax.set_xlabel("decode tokens/s (batch 1; median, bars: min..max over repeats)")
         ax.invert_yaxis()
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle("Decode throughput by method (blue: draftforge engine, orange: vLLM)")
@@ -46,7 +56,9 @@ def tokens_per_s_by_method(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
-    series: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    """τ and speedup vs budget per dataset (and tree method). Speedup: median over repeats with min..max error
+    bars; ★ marks the auto budget (calibrated), ○ the best budget (oracle, chosen on the evaluation data)."""
+    series: dict[str, list[tuple[float, float, float, float, float, bool, bool]]] = defaultdict(list)
     chain: dict[str, float] = {}
     mtp: dict[str, list[tuple[str, float, float]]] = defaultdict(list)  # dataset → (label, τ, speedup)
     for r in rows:
@@ -58,7 +70,9 @@ def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
             continue
         if r["method"] in ("ddtree", "ddtree_markov") and r.get("budget"):
             key = str(r.get("dataset")) + ("" if r["method"] == "ddtree" else " (ddtree_markov)")
-            series[key].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0)))
+            below, above = _err(r, "speedup_vs_ar")
+            series[key].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0),
+                                below, above, bool(r.get("auto_budget")), bool(r.get("best_budget"))))
         elif r["method"] == "dflash":
             chain[str(r.get("dataset"))] = float(r.get("tau") or 0)
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -68,13 +82,20 @@ def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
         line = ax_tau.plot(budgets, [p[1] for p in points], marker="o", label=dataset)[0]
         if dataset in chain:
             ax_tau.axhline(chain[dataset], color=line.get_color(), linestyle="--", linewidth=0.8)
-        ax_speed.plot(budgets, [p[2] for p in points], marker="o", label=dataset)
+        ax_speed.errorbar(budgets, [p[2] for p in points], yerr=[[p[3] for p in points], [p[4] for p in points]],
+                          marker="o", markersize=4, capsize=3, color=line.get_color(), label=dataset)
+        for p in points:
+            if p[5]:  # auto budget (calibrated)
+                ax_speed.plot([p[0]], [p[2]], marker="*", markersize=14, color=line.get_color(), markeredgecolor="black")
+            if p[6]:  # best budget (oracle)
+                ax_speed.plot([p[0]], [p[2]], marker="o", markersize=13, markerfacecolor="none", color=line.get_color())
         for i, (label, tau, speed) in enumerate(sorted(mtp.get(dataset, []))):  # MTP: one level line per engine
             style = (":", "-.")[i % 2]
             ax_tau.axhline(tau, color=line.get_color(), linestyle=style, linewidth=1.0, label=f"{dataset} {label}")
             ax_speed.axhline(speed, color=line.get_color(), linestyle=style, linewidth=1.0, label=f"{dataset} {label}")
     for ax, ylabel in ((ax_tau, "τ (tokens per verify; dashed: DFlash chain, dotted: MTP)"),
-                       (ax_speed, "speedup vs AR (TPOT ratio; dotted: MTP)")):
+                       (ax_speed, "speedup vs AR (median, bars: min..max over repeats;\n"
+                                  "★ auto budget (calibrated), ○ best (oracle); dotted: MTP)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("DDTree node budget")
         ax.set_ylabel(ylabel)

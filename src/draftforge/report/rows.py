@@ -11,8 +11,14 @@ from draftforge.errors import StageError
 from draftforge.io import read_json
 from draftforge.rows import ROW_KEYS
 
-# One row per dataset × method × budget; the columns of summary.csv in this order.
-COLUMNS: tuple[str, ...] = ROW_KEYS
+# One row per dataset × method × budget; the columns of summary.csv in this order: the shared keys, then the
+# standalone engine's timing spread over repeats and its tree-budget flags (empty for vLLM rows).
+COLUMNS: tuple[str, ...] = ROW_KEYS + (
+    "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_ar_min", "speedup_vs_ar_max", "repeats",
+    "auto_budget", "best_budget",
+)  # fmt: skip
+AUTO_NAME = "auto budget (calibrated)"
+BEST_NAME = "best budget (oracle, chosen on eval data)"
 
 
 def _rows_of(data: Any, path: Path, engine: str) -> list[dict[str, Any]]:
@@ -64,6 +70,41 @@ def best_ddtree(rows: list[dict[str, Any]], methods: Sequence[str] = TREE_METHOD
         if current is None or _num(row.get("tokens_per_s"), 0) > _num(current.get("tokens_per_s"), 0):
             best[row.get("dataset")] = row
     return best
+
+
+def budget_choices(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (dataset, temperature, drafter branch, tree method) of the standalone engine: the auto (calibrated)
+    and the oracle-best budget's rows, auto tokens/s ÷ oracle tokens/s, and why there is no auto budget if so."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("engine") == "draftforge" and row["method"] in TREE_METHODS and row.get("status", "ok") == "ok":
+            key = (str(row.get("dataset")), _num(row.get("temperature"), 0.0), str(row.get("drafter")), row["method"])
+            groups.setdefault(key, []).append(row)
+    out = []
+    for (dataset, temp, drafter, method), group in sorted(groups.items()):
+        auto = next((r for r in group if r.get("auto_budget")), None)
+        best = next((r for r in group if r.get("best_budget")), None)
+        if best is None:  # rows without flags: today's rule, highest tokens/s
+            best = max(group, key=lambda r: _num(r.get("tokens_per_s"), -1.0))
+        ratio = None
+        if auto is not None and _num(best.get("tokens_per_s"), 0) > 0:
+            ratio = _num(auto.get("tokens_per_s")) / _num(best["tokens_per_s"])
+        note = next((r["auto_budget_note"] for r in group if r.get("auto_budget_note")), None)
+        if auto is None and note is None:
+            note = "these rows carry no auto budget (evaluate ran without calibration)"
+        out.append({"dataset": dataset, "temperature": temp, "drafter": drafter, "method": method, "auto": auto, "best": best,
+                    "auto_vs_best": ratio, "note": note,
+                    "calibration_prompts": max((int(r.get("calibration_prompts") or 0) for r in group), default=0)})
+    return out
+
+
+def with_spread(row: dict[str, Any], key: str, digits: int) -> str:
+    """`median [min–max]` when the row carries a spread over repeats, else the value alone."""
+    value = fmt(row.get(key), digits)
+    lo, hi = row.get(f"{key}_min"), row.get(f"{key}_max")
+    if value and lo is not None and hi is not None and int(row.get("repeats") or 1) > 1:
+        value += f" [{fmt(lo, digits)}–{fmt(hi, digits)}]"
+    return value
 
 
 def method_label(row: dict[str, Any]) -> str:

@@ -13,7 +13,17 @@ from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
 from draftforge.report.parity import parity_block
-from draftforge.report.rows import COLUMNS, TREE_METHODS, best_ddtree, collect_rows, fmt, method_label, vs_mtp
+from draftforge.report.rows import (
+    AUTO_NAME,
+    BEST_NAME,
+    COLUMNS,
+    budget_choices,
+    collect_rows,
+    fmt,
+    method_label,
+    vs_mtp,
+    with_spread,
+)
 from draftforge.tracking import experiment_name, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -29,12 +39,16 @@ def summary_csv(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """tokens/s and speedup as `median [min–max]` over repeats where measured; tree budgets flagged
+    "auto" (calibrated) and "best" (oracle)."""
     header = ["dataset", "engine", "drafter", "method", "budget", "tokens/s", "speedup vs AR", "τ", "TPOT ms", "mismatches", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
+        flags = [name for name, key in (("auto", "auto_budget"), ("best", "best_budget")) if r.get(key)]
+        budget = fmt(r.get("budget")) + (f" ({', '.join(flags)})" if flags else "")
         cells = [
-            fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), fmt(r.get("budget")), fmt(r.get("tokens_per_s"), 1),
-            fmt(r.get("speedup_vs_ar")), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
+            fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), budget, with_spread(r, "tokens_per_s", 1),
+            with_spread(r, "speedup_vs_ar", 2), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
             r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -84,6 +98,28 @@ def parity_text(parity: dict[str, Any]) -> list[str]:
         )
     if not lines and parity.get("reason"):
         lines.append(f"- not checked: {parity['reason']}")
+    return lines
+
+
+def budget_choice_lines(choices: list[dict[str, Any]]) -> list[str]:
+    """Per dataset × drafter branch × tree method: the auto budget (calibrated) beside the best budget (oracle)."""
+    lines = []
+    for c in choices:
+        temp = f" (T = {c['temperature']:g})" if c["temperature"] else ""
+        best = c["best"]
+        best_text = (f"{BEST_NAME}: {best.get('budget')} — {with_spread(best, 'tokens_per_s', 1)} tok/s, "
+                     f"τ {fmt(best.get('tau'))}, speedup {with_spread(best, 'speedup_vs_ar', 2)}× vs AR")
+        auto = c["auto"]
+        if auto is None:
+            auto_text = f"{AUTO_NAME}: none — {c['note']}"
+        else:
+            auto_text = (f"{AUTO_NAME}: {auto.get('budget')} — {with_spread(auto, 'tokens_per_s', 1)} tok/s, "
+                         f"τ {fmt(auto.get('tau'))}, speedup {with_spread(auto, 'speedup_vs_ar', 2)}× vs AR "
+                         f"(chosen on {c['calibration_prompts']} calibration prompt(s): τ {fmt(auto.get('calibration_tau'))} ÷ "
+                         f"round {fmt(auto.get('calibration_round_ms'), 1)} ms = {fmt(auto.get('calibration_tokens_per_s'), 1)} "
+                         f"tok/s predicted)")
+        ratio = f"; auto = **{100 * c['auto_vs_best']:.0f}%** of the oracle's tokens/s" if c["auto_vs_best"] is not None else ""
+        lines.append(f"- **{c['dataset']}**, {c['drafter']}/`{c['method']}`{temp}: {auto_text}; {best_text}{ratio}")
     return lines
 
 
@@ -143,12 +179,8 @@ def build_report(ctx) -> dict[str, Any]:
             history = training_history(t)
             if history:
                 figures[f"training_{name}"] = plots.training_curve(history, ctx.out_dir / f"training_curve_{name}.png")
-    best_lines = []
-    for name in drafters:
-        for method in TREE_METHODS:
-            for ds, r in sorted(best_ddtree(rows, (method,), drafter=name).items()):
-                best_lines.append(f"- **{ds}**, {name}/{method}: budget {r.get('budget')} — {fmt(r.get('tokens_per_s'), 1)} "
-                                  f"tok/s, τ {fmt(r.get('tau'))}, speedup {fmt(r.get('speedup_vs_ar'))}× vs AR")
+    choices = budget_choices(rows)
+    repeats = max((int(r.get("repeats") or 1) for r in rows if r["engine"] == "draftforge"), default=1)
     tol = float(ctx.cfg.report.parity_tolerance)
     parity = {name: parity_block(rows, tol, method=CHAIN_METHOD[d.type], drafter=name) for name, d in drafters.items()}
     parity_lines = []
@@ -165,10 +197,15 @@ def build_report(ctx) -> dict[str, Any]:
         *branch_lines(drafters, trains),
         "",
         "Speedup = mean TPOT(AR) / mean TPOT(method) within one engine and branch; τ = tokens committed per target "
-        "verify (bonus included). The best tree budget is chosen on the evaluation data itself (as published numbers do).",
+        "verify (bonus included).",
+        f"Standalone-engine tokens/s and speedup: median over {repeats} interleaved timed repeat(s), [min–max] over "
+        "repeats; speedup = median of the per-repeat TPOT ratios (AR and method timed side by side in each repeat).",
+        f"Tree budgets: the **{AUTO_NAME}** maximises τ(b) / round cost(b) measured on calibration prompts (the next "
+        f"prompts of each held-out set, disjoint from the evaluation prompts), chosen without the evaluation data; the **{BEST_NAME}** "
+        "has the highest tokens/s on the evaluation prompts themselves (as published numbers do).",
         "",
-        "## Best tree budget per dataset, drafter and tree method",
-        *(best_lines or ["- (no DDTree rows)"]),
+        f"## Tree budget per dataset, drafter and tree method: {AUTO_NAME} vs {BEST_NAME}",
+        *(budget_choice_lines(choices) or ["- (no DDTree rows)"]),
         "",
         "## DDTree vs MTP (best tree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
         "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
@@ -188,7 +225,7 @@ def build_report(ctx) -> dict[str, Any]:
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
     write_json(ctx.out_dir / "parity.json", parity)
-    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "vs_mtp": mtp_table}
+    return {"text": text, "rows": rows, "figures": figures, "parity": parity, "vs_mtp": mtp_table, "budget_choices": choices}
 
 
 def main(ctx) -> None:
@@ -202,6 +239,13 @@ def main(ctx) -> None:
         for dataset, v in report["vs_mtp"].items():
             for engine, m in v["mtp"].items():
                 run.log_metrics({f"ddtree_vs_mtp_{engine}_{dataset}": m["ratio"]})
+        for c in report["budget_choices"]:  # auto (calibrated) vs best (oracle) budget per dataset × branch × tree method
+            suffix = f"{c['drafter']}_{c['method']}_{c['dataset']}" + (f"_T{c['temperature']:g}" if c["temperature"] else "")
+            run.log_metrics({f"best_budget_{suffix}": float(c["best"]["budget"])})
+            if c["auto"] is not None:
+                run.log_metrics({f"auto_budget_{suffix}": float(c["auto"]["budget"])})
+            if c["auto_vs_best"] is not None:
+                run.log_metrics({f"auto_vs_best_tokens_per_s_{suffix}": c["auto_vs_best"]})
         for path in report["figures"].values():
             run.log_artifact(path)
         run.log_artifact(ctx.out_dir / "summary.csv")

@@ -1,0 +1,116 @@
+"""The auto budget: a tree method's node budget chosen from its cost curve on calibration prompts (torch-free).
+
+Per (dataset, temperature, tree method) evaluate runs every budget on calibration prompts, which are not
+the evaluation prompts (evaluate/prompts.py: the next ones of the same held-out pool), and measures
+
+- τ(b): tokens committed per round (target verify), bonus included, over all calibration rounds;
+- cost(b): the mean round time, decode seconds ÷ rounds, its median over the timed repeats.
+
+τ(b) / cost(b) is the predicted decode tokens per second; `choose_budget` picks the budget maximising it.
+That budget is a function of the calibration records alone (evaluate runs them after the evaluation
+prompts, but nothing of those enters the choice), so its evaluation tokens/s is an honest number; the oracle-best budget (highest tokens/s on the evaluation data, `aggregate.mark_best`) is
+reported beside it, and auto ÷ oracle says what choosing on held-out data costs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+TREE_METHODS = ("ddtree", "ddtree_markov")
+Curve = Mapping[int, "tuple[float | None, float | None]"]  # budget → (τ, cost in seconds per round)
+
+
+def _usable(x: float | None) -> bool:
+    return x is not None and not math.isnan(x) and x > 0
+
+
+def predicted_tokens_per_s(tau: float | None, cost_s: float | None) -> float | None:
+    """τ / cost: tokens per round ÷ seconds per round (None when either is missing or not positive)."""
+    return tau / cost_s if _usable(tau) and _usable(cost_s) else None
+
+
+def choose_budget(curve: Curve) -> int | None:
+    """The budget with the highest τ(b) / cost(b); ties go to the smaller budget (less work for the same
+    predicted rate). Budgets without a usable τ or cost are skipped; None when none is usable."""
+    best: tuple[float, int] | None = None
+    for budget in sorted(curve):
+        rate = predicted_tokens_per_s(*curve[budget])
+        if rate is not None and (best is None or rate > best[0]):
+            best = (rate, int(budget))
+    return None if best is None else best[1]
+
+
+def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[int, tuple[float | None, float | None]]]:
+    """Calibration response records → {(dataset, temperature, method): {budget: (τ, cost_s)}} for tree methods.
+
+    τ from the first repeat (tokens are the same in every repeat at T = 0); cost = the median over repeats
+    of that repeat's decode seconds ÷ rounds (so a slow period that lands on one repeat is dropped).
+    """
+    groups: dict[tuple, dict[int, dict[int, list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in records:
+        if r["method"] in TREE_METHODS and r.get("budget") is not None:
+            key = (r["dataset"], float(r["temperature"]), r["method"])
+            groups[key][int(r["budget"])][int(r.get("repeat", 0))].append(r)
+    curves: dict[tuple, dict[int, tuple[float | None, float | None]]] = {}
+    for key, by_budget in groups.items():
+        curve: dict[int, tuple[float | None, float | None]] = {}
+        for budget, by_repeat in by_budget.items():
+            first = by_repeat[min(by_repeat)]
+            accepts = [a for r in first for a in r["accept_lengths"]]
+            tau = sum(accepts) / len(accepts) if accepts else None
+            costs = []
+            for rs in by_repeat.values():
+                rounds = sum(len(r["accept_lengths"]) for r in rs)
+                decode_s = sum(r["decode_s"] for r in rs)
+                if rounds and decode_s > 0:
+                    costs.append(decode_s / rounds)
+            curve[budget] = (tau, statistics.median(costs) if costs else None)
+        curves[key] = curve
+    return curves
+
+
+def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, Any]], requested: int) -> None:
+    """Flag the auto budget on the tree rows and attach the calibration numbers.
+
+    Every tree-method row gets `auto_budget` (bool: this row's budget is the calibrated choice),
+    `calibration_prompts` (calibration prompts measured for its dataset), `calibration_tau`,
+    `calibration_round_ms` and `calibration_tokens_per_s` (τ / cost at its budget), and `auto_vs_best`:
+    the auto budget's evaluation tokens/s ÷ the oracle-best budget's (the same on every row of the group;
+    None without an auto budget, then `auto_budget_note` says why). Call after `mark_best`.
+    """
+    curves = calibration_curves(calibration_records)
+    prompts: dict[str, set] = defaultdict(set)
+    for r in calibration_records:
+        prompts[r["dataset"]].add(r["prompt_index"])
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["method"] in TREE_METHODS:
+            groups[(row["dataset"], float(row["temperature"]), row["method"])].append(row)
+    for key, group in groups.items():
+        curve = curves.get(key, {})
+        auto = choose_budget(curve)
+        note = None
+        if requested <= 0:
+            note = "calibration disabled (evaluate.calibration_prompts = 0)"
+        elif not prompts.get(key[0]):
+            note = ("no calibration prompts: the evaluation prompts use the whole held-out set "
+                    "(evaluate.num_prompts = 0 or a pool no larger than num_prompts)")
+        elif auto is None:
+            note = "calibration measured no usable round (τ or round cost missing)"
+        by_budget = {row["budget"]: row for row in group}
+        auto_row = by_budget.get(auto)
+        best_row = next((row for row in group if row.get("best_budget")), None)
+        ratio = None
+        if auto_row is not None and best_row is not None and auto_row.get("tokens_per_s") and best_row.get("tokens_per_s"):
+            ratio = auto_row["tokens_per_s"] / best_row["tokens_per_s"]
+        for row in group:
+            tau, cost = curve.get(row["budget"], (None, None))
+            row.update(auto_budget=auto is not None and row["budget"] == auto, calibration_prompts=len(prompts.get(key[0], ())),
+                       calibration_tau=tau, calibration_round_ms=None if cost is None else 1000.0 * cost,
+                       calibration_tokens_per_s=predicted_tokens_per_s(tau, cost), auto_vs_best=ratio)  # fmt: skip
+            if note:
+                row["auto_budget_note"] = note
