@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_fixtures import drafter_of  # noqa: E402
-
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
 
@@ -71,6 +69,7 @@ def _vllm_side(target_dir: str, drafter_dir: str, n_spec: int, dist_file: str, p
 
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_dspark_export_loads_into_vllm_and_matches_heads(tiny_target_info, tmp_path, with_markov):
+    from drafter_fixtures import drafter_of  # the test module also runs as a script: import here
     from draftforge.drafter import DFlashConfig
     from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
     from draftforge.drafter.export import export_drafter, load_drafter

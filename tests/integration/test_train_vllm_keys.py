@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_fixtures import drafter_of  # noqa: E402
-
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
 
@@ -59,6 +57,8 @@ def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path, s
     from draftforge.drafter.export import export_drafter
 
     kw = {"sliding_window": sliding_window, "layer_types": ["sliding_attention"] * 2} if sliding_window else {}
+    from drafter_fixtures import drafter_of  # the test module also runs as a script: import here
+
     dcfg = DFlashConfig.from_target(tiny_target_info, drafter_of(), num_hidden_layers=2, **kw)
     export_drafter(DFlashDrafter(dcfg), dcfg, tmp_path / "drafter", dtype=torch.float32)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
