@@ -42,16 +42,18 @@ class StageContext:
 
     def input_dir(self, stage: str, drafter: str | None = None) -> Path:
         """An upstream stage's folder; a per-drafter stage's is this branch's unless `drafter` names another."""
-        return stage_dir(self.results_root, self.experiment, stage, self._branch_of(stage, drafter))
+        return stage_dir(self.results_root, self.experiment, stage, self.branch_of(stage, drafter))
 
     def input_marker(self, stage: str, drafter: str | None = None) -> Path:
         """The upstream stage's marker file; a clear error if that stage has not finished."""
-        path = stage_marker(self.results_root, self.experiment, stage, self._branch_of(stage, drafter))
+        path = stage_marker(self.results_root, self.experiment, stage, self.branch_of(stage, drafter))
         if not path.is_file():
             raise StageError(f"{path}: missing; run the `{stage}` stage first (snakemake --until {stage})")
         return path
 
-    def _branch_of(self, stage: str, drafter: str | None) -> str | None:
+    def branch_of(self, stage: str, drafter: str | None) -> str | None:
+        """The drafter branch of `stage` as this context reads it: None for a once-stage, else `drafter`, this
+        context's branch, or the composed drafter's name."""
         return (drafter or self.drafter or str(self.cfg.drafter.name)) if stage in PER_DRAFTER else None
 
     @property
@@ -122,7 +124,7 @@ def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = Non
         return
     inputs = {}
     for up in stage_inputs(ctx.stage, ctx.cfg):
-        branches = [ctx._branch_of(up, None)] if ctx.stage in PER_DRAFTER or up not in PER_DRAFTER else list(ctx.cfg.drafters)
+        branches = [ctx.branch_of(up, None)] if ctx.stage in PER_DRAFTER or up not in PER_DRAFTER else list(ctx.cfg.drafters)
         for d in branches:
             path = stage_marker(ctx.results_root, ctx.experiment, up, d)
             if path.is_file():
