@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 BUDGETS = (1, 16, 64, 256)
 
 
-def _setup(arch: str, dtype: torch.dtype, seed: int = 0):
+def _setup(arch: str, dtype: torch.dtype, seed: int = 0, variant: str = "graphs"):
     from draftforge.engine.graph import CapturedEngine, verify_buckets
     from engine_fixtures import tiny_drafter, tiny_hybrid_target, tiny_target
 
@@ -24,18 +24,20 @@ def _setup(arch: str, dtype: torch.dtype, seed: int = 0):
     tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=seed)
     tm.hf.to("cuda", dtype)
     d = tiny_drafter(tm, seed=seed).to("cuda", dtype)
-    eng = CapturedEngine(tm, 512, verify_buckets(d.cfg.block_size, BUDGETS), drafter=d)
+    eng = CapturedEngine(tm, 512, verify_buckets(d.cfg.block_size, BUDGETS), drafter=d,
+                         compile=variant == "compiled")
     eng.capture()
     assert eng.graphs and all(b.graph is not None for b in eng._buckets.values()) and eng.drafter.graph is not None
     return tm, d, eng
 
 
+@pytest.mark.parametrize("variant", ["graphs", "compiled"])
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
-def test_captured_equals_eager_fp32(arch: str) -> None:
+def test_captured_equals_eager_fp32(arch: str, variant: str) -> None:
     from draftforge.engine import generate, make_method
     from engine_fixtures import prompt
 
-    tm, d, eng = _setup(arch, torch.float32)
+    tm, d, eng = _setup(arch, torch.float32, variant=variant)
     for seed, plen in ((0, 9), (1, 70)):
         p = prompt(tm.vocab_size, plen, seed=seed)
         ar = generate(tm, None, p, 40).tokens
@@ -47,12 +49,13 @@ def test_captured_equals_eager_fp32(arch: str) -> None:
             assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
 
 
+@pytest.mark.parametrize("variant", ["graphs", "compiled"])
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
-def test_captured_bf16_differences_are_rare_and_counted(arch: str) -> None:
+def test_captured_bf16_differences_are_rare_and_counted(arch: str, variant: str) -> None:
     from draftforge.engine import generate, make_method
     from engine_fixtures import prompt
 
-    tm, d, eng = _setup(arch, torch.bfloat16, seed=1)
+    tm, d, eng = _setup(arch, torch.bfloat16, seed=1, variant=variant)
     equal = total = 0
     for seed in range(4):
         p = prompt(tm.vocab_size, 9, seed=100 + seed)

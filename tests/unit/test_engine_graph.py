@@ -135,3 +135,26 @@ def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
     assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
     with pytest.raises(StageError, match="evaluate.engine"):
         captured_engine(EvaluateConfig(engine="graph"), tm, d, plan)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_fused_blocks_give_the_eager_tokens_and_share_the_weights(arch):
+    """fused=True: q/k/v and gate/up run as one projection each (the blocks torch.compile compiles on a GPU);
+    the HF Linear weights become views of the fused tensors, so the eager engine reads the same storage."""
+    hybrid = arch.startswith("Qwen3_5")
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=4)
+    d = tiny_drafter(tm, seed=4)
+    p = prompt(tm.vocab_size, 20, seed=2)
+    ar = generate(tm, None, p, 20).tokens
+    eng = CapturedEngine(tm, 128, verify_buckets(d.cfg.block_size, (16,)), drafter=d, fused=True)
+    attn_layer = next(layer for layer, k in zip(tm.layers, tm.kinds) if k == "attention")
+    fl = attn_layer._draftforge_fused
+    a = attn_layer.self_attn
+    assert a.k_proj.weight.untyped_storage().data_ptr() == fl.wqkv.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), fl.wqkv)
+    assert generate(tm, None, p, 20).tokens == ar  # eager engine over the re-pointed weights
+    assert generate(tm, None, p, 20, engine=eng).tokens == ar
+    for name, b in (("dflash", None), ("ddtree", 16)):
+        eager = generate(tm, make_method(name, tm, d, b), p, 20)
+        fused = generate(tm, make_method(name, tm, d, b), p, 20, engine=eng)
+        assert fused.tokens == eager.tokens == ar and fused.accept_lengths == eager.accept_lengths, name

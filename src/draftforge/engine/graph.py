@@ -127,7 +127,8 @@ class CapturedEngine:
     """
 
     def __init__(self, tm: TargetModel, capacity: int, buckets: Sequence[int] = (1,), drafter: Any = None,
-                 graphs: bool | None = None, gdn_mixers: bool = True) -> None:
+                 graphs: bool | None = None, gdn_mixers: bool = True, fused: bool = False,
+                 compile: bool = False) -> None:
         self.tm = tm
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
@@ -138,6 +139,14 @@ class CapturedEngine:
         if self.graphs and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
             raise ValueError("captured engine: MoE MLPs route tokens with data-dependent shapes and cannot be captured "
                              "in a CUDA graph; use the eager engine (or graphs=False) for this target")
+        self.blocks = None  # fused layer blocks (`fused.py`): fused=True runs them as is, compile=True compiled
+        if fused or compile:
+            if compile and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
+                raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
+            from draftforge.engine import fused as fused_blocks
+
+            self.fused = fused_blocks.fuse_projections(tm)
+            self.blocks = fused_blocks.layer_blocks(compiled=compile)
         self.capacity = _align(int(capacity))
         self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
         dev, dt = tm.device, tm.dtype
@@ -250,9 +259,11 @@ class CapturedEngine:
         mask = _mask_over(b.anc, slots[:1], self.cols, self.group, tm.dtype)
         h = tm.embed(ids)
         for i, layer in enumerate(tm.layers):
-            x = layer.input_layernorm(h)
+            x = layer.input_layernorm(h) if self.blocks is None else None
             s = tm.slots[i]
-            if tm.kinds[i] == "attention":
+            if self.blocks is not None:  # compiled blocks: norm inside, cache writes outside
+                h = self._compiled_layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
+            elif tm.kinds[i] == "attention":
                 attn = layer.self_attn
                 q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
                 kv = st.kv[s]
@@ -262,7 +273,8 @@ class CapturedEngine:
                 h = h + attention_out(tm, attn, o, gate)
             elif self.gdn_mixers:
                 h = h + self._gdn(layer.linear_attn, x, s, depths, b.anc, anc_at, real, n)
-            h = h + mlp(layer, layer.post_attention_layernorm(h))
+            if self.blocks is None:
+                h = h + mlp(layer, layer.post_attention_layernorm(h))
             t = tm._tap_pos.get(i)
             if t is not None and b.taps is not None:
                 H = tm.hidden_size
@@ -270,6 +282,22 @@ class CapturedEngine:
         hn = tm.norm(h)
         b.h.copy_(hn)
         b.logits.copy_(tm.lm_head(hn[0]))
+
+    def _compiled_layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
+        """One decoder layer through the compiled blocks (fused.py); same function as the eager branch."""
+        tm, fl, blk = self.tm, self.fused[i], self.blocks
+        s = tm.slots[i]
+        if tm.kinds[i] == "attention":
+            attn = layer.self_attn
+            q, k, v, gate = blk.qkv(attn, layer.input_layernorm, fl.wqkv, fl.bqkv, h, cos, sin, fl.q_out, fl.kv_out,
+                                    tm.num_heads, tm.num_kv_heads, tm.head_dim, tm.qk_norm, tm.gated_attention)
+            kv = self.state.kv[s]
+            kv[0].index_copy_(1, slots, k[0])
+            kv[1].index_copy_(1, slots, v[0])
+            return blk.out(layer, fl.wgu, h, q, kv[0], kv[1], mask, gate, attn.scaling)
+        if self.gdn_mixers:
+            h = h + self._gdn(layer.linear_attn, layer.input_layernorm(h), s, depths, b.anc, anc_at, real, n)
+        return blk.mlp(layer, fl.wgu, h)
 
     def _gdn(self, mixer, x, s, depths, anc, anc_at, real, n) -> torch.Tensor:
         st, sc = self.state, self.scratch

@@ -62,7 +62,7 @@ class EvaluateConfig:
     dtype: str = ""  # "" → float32 on CPU, target.dtype on GPU
     # Target/drafter steps: eager, or captured (static shapes at a fixed capacity, one CUDA graph per verify
     # size on a GPU; on CPU the static step runs eagerly). Tokens are the same either way.
-    engine: str = "eager"
+    engine: str = "eager"  # eager | captured (CUDA graphs) | compiled (captured + torch.compile, fused projections)
     engine_capacity: int = 4096  # captured: KV rows (prompt + max_new_tokens + largest verify must fit)
     gsm_symbolic: GsmSymbolicEvalConfig = field(default_factory=GsmSymbolicEvalConfig)
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)

@@ -99,11 +99,12 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
 
 
 def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
-    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method."""
+    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method
+    ("compiled": the same with fused projections and torch.compile'd layer blocks, docs/architecture.md)."""
     if cfg.engine == "eager":
         return None
-    if cfg.engine != "captured":
-        raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured']")
+    if cfg.engine not in ("captured", "compiled"):
+        raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured', 'compiled']")
     from draftforge.engine.graph import CapturedEngine, verify_buckets
 
     block = drafter.cfg.block_size if drafter is not None else None
@@ -111,9 +112,10 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
     if any(m == "mtp" for m, _ in plan):  # the MTP chain verifies mtp_drafts + 1 rows
         budgets.append(int(cfg.mtp_drafts))
     try:
-        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter)
+        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter,
+                             compile=cfg.engine == "compiled")
     except ValueError as exc:
-        raise StageError(f"evaluate.engine=captured: {exc}") from None
+        raise StageError(f"evaluate.engine={cfg.engine}: {exc}") from None
     eng.capture()
     return eng
 

@@ -1,0 +1,153 @@
+"""Compiled decoder blocks of the captured engine: fused projections and fewer, larger kernels.
+
+A captured step (`graph.py`) removes Python and launch overhead but still replays every small kernel
+the HF modules launch: per dense layer ~50 (RMSNorm in fp32 pieces, separate q/k/v and gate/up GEMVs,
+q/k norms, rotary, residual adds). At one token per step each costs a few microseconds even inside a
+CUDA graph, which puts an 8B AR step at ~2.8× the weight-bandwidth floor (docs/benchmarks.md). Here:
+
+- Fused projections: q/k/v and gate/up weights are concatenated once and the HF Linear weights are
+  re-pointed at views of the fused tensor (no second copy; the eager path reads the same storage).
+- Three `torch.compile`d blocks with the module passed as an argument, so one compiled graph serves
+  every layer of the same structure (dynamo lifts the parameters to inputs):
+    qkv_block   norm → fused QKV → q/k norms → rotary            (1, n, H) → q, k, v, gate
+    out_block   attention over the fixed-capacity cache → o_proj → residual → MLP block
+    mlp_block   norm → fused gate/up → act · up → down → residual (GDN layers' MLP)
+  The cache writes (`index_copy_` at the span's slots) stay outside the compiled regions, so Inductor
+  never functionalises a mutation of the whole cache.
+
+Invariant: the compiled step computes the same function as the eager static step; only the rounding
+of fused reductions may differ (fp32: tokens equal except at exact ties; checked by tests/gpu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftforge.engine.target import TargetModel, apply_rope
+
+
+@dataclass
+class FusedLayer:
+    wqkv: torch.Tensor | None  # (q_out + 2·kv_out, H) attention layers only
+    bqkv: torch.Tensor | None  # qwen2-style q/k/v biases, fused the same way
+    q_out: int  # rows of wqkv that are q (and the output gate, for gated attention)
+    kv_out: int
+    wgu: torch.Tensor | None  # (2·I, H) dense gate/up MLPs only (None: MoE or another MLP form)
+
+
+def _fuse(linears: list[nn.Linear], bias: bool) -> torch.Tensor:
+    """Concatenate Linear weights (or biases) along the output axis; re-point each at a view of the result."""
+    parts = [lin.bias if bias else lin.weight for lin in linears]
+    fused = torch.cat([p.detach() for p in parts], dim=0)
+    start = 0
+    for lin, p in zip(linears, parts):
+        view = nn.Parameter(fused[start : start + p.shape[0]], requires_grad=False)
+        setattr(lin, "bias" if bias else "weight", view)
+        start += p.shape[0]
+    return fused
+
+
+def _dense_mlp(mlp: nn.Module) -> bool:
+    return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) and not hasattr(mlp, "experts")
+
+
+@torch.no_grad()
+def fuse_projections(tm: TargetModel) -> list[FusedLayer]:
+    """Per layer: fused q/k/v (attention layers) and gate/up (dense MLPs); idempotent."""
+    out = []
+    for layer, kind in zip(tm.layers, tm.kinds):
+        cached = getattr(layer, "_draftforge_fused", None)
+        if cached is not None:
+            out.append(cached)
+            continue
+        wqkv = bqkv = wgu = None
+        q_out = kv_out = 0
+        if kind == "attention":
+            a = layer.self_attn
+            lins = [a.q_proj, a.k_proj, a.v_proj]
+            q_out, kv_out = a.q_proj.out_features, a.k_proj.out_features
+            has_bias = [lin.bias is not None for lin in lins]
+            if any(has_bias) and not all(has_bias):
+                raise ValueError("compiled engine: q/k/v projections with biases on some but not all of them")
+            wqkv = _fuse(lins, bias=False)
+            bqkv = _fuse(lins, bias=True) if all(has_bias) else None
+        if _dense_mlp(layer.mlp) and layer.mlp.gate_proj.bias is None and layer.mlp.up_proj.bias is None:
+            wgu = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj], bias=False)
+        fl = FusedLayer(wqkv=wqkv, bqkv=bqkv, q_out=q_out, kv_out=kv_out, wgu=wgu)
+        layer._draftforge_fused = fl
+        out.append(fl)
+    return out
+
+
+def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor, bqkv: torch.Tensor | None, h: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, q_out: int, kv_out: int, n_heads: int, n_kv: int, hd: int,
+              qk_norm: bool, gated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """h (1, n, H) → q (1, Hq, n, hd), k, v (1, Hkv, n, hd) with rotary, output gate (1, n, Hq·hd) or None."""
+    n = h.shape[1]
+    qkv = F.linear(norm(h), wqkv, bqkv)  # (1, n, q_out + 2·kv_out)
+    qg, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
+    gate = None
+    if gated:
+        qg = qg.reshape(1, n, n_heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, n_heads * hd)
+    else:
+        q = qg.reshape(1, n, n_heads, hd)
+    k, v = k.reshape(1, n, n_kv, hd), v.reshape(1, n, n_kv, hd)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+    """h (1, n, H) → h + MLP(post-attention norm(h)); fused gate/up when the MLP is dense."""
+    x = layer.post_attention_layernorm(h)
+    m = layer.mlp
+    if wgu is None:
+        out = m(x)
+        return h + (out[0] if isinstance(out, tuple) else out)
+    g, u = F.linear(x, wgu).chunk(2, dim=-1)
+    return h + m.down_proj(m.act_fn(g) * u)
+
+
+def out_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention of q (1, Hq, n, hd) over the cache (Hkv, cap, hd) under the additive folded mask
+    (1, 1, g·n, cap), o_proj, residual, MLP block."""
+    _, hq, n, hd = q.shape
+    hkv = k_cache.shape[0]
+    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)  # native GQA: query heads of a KV head folded into rows
+    o = F.scaled_dot_product_attention(qf, k_cache[None], v_cache[None], attn_mask=mask, scale=scale)
+    o = o.reshape(1, hq, n, hd).transpose(1, 2).reshape(1, n, hq * hd)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return mlp_block(layer, wgu, h + layer.self_attn.o_proj(o))
+
+
+@dataclass
+class CompiledBlocks:
+    qkv: Any
+    out: Any
+    mlp: Any
+
+
+def layer_blocks(compiled: bool) -> CompiledBlocks:
+    """The three blocks, under torch.compile when `compiled` (static shapes: one graph per verify bucket,
+    shared by every layer of one structure); as plain functions otherwise (CPU tests of the fused math)."""
+    if not compiled:
+        return CompiledBlocks(qkv=qkv_block, out=out_block, mlp=mlp_block)
+    import torch._dynamo
+    import torch._inductor.config
+
+    # entries per block: buckets × layer structures (attention / GDN, with or without a dense MLP)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # round to the model dtype where the eager code casts (bf16 results then differ from eager by ties only)
+    torch._inductor.config.emulate_precision_casts = True
+    kw: dict[str, Any] = {"dynamic": False, "fullgraph": True}
+    return CompiledBlocks(qkv=torch.compile(qkv_block, **kw), out=torch.compile(out_block, **kw),
+                          mlp=torch.compile(mlp_block, **kw))
