@@ -36,6 +36,22 @@ def test_chunked_gradients_equal_dense_autograd():
         assert torch.allclose(a.grad.double(), b.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_backward_under_autocast_recomputes_the_forward_logits():
+    """Training runs the forward under bf16 autocast and the backward outside it: fp32 drafter states,
+    a bf16 LM head. The backward must recompute the forward's (bf16-product) logits, not fail on dtypes."""
+    h, W, y, ht, e, w2 = (t.float() if t.is_floating_point() else t for t in _case(seed=2, V=41))
+    W16 = W.to(torch.bfloat16)
+    coef = torch.tensor([0.3, 0.5, 1.7])
+    leaves = [t.clone().requires_grad_() for t in (h, e, w2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        terms, _ = dist_terms(leaves[0], W16, y, ht, leaves[1], leaves[2], chunk=8)
+    (terms.float() * coef).sum().backward()
+    ref = [t.to(torch.bfloat16).double().requires_grad_() for t in (h, e, w2)]  # the products' inputs, rounded
+    (dense_terms(ref[0], W16.double(), y, ht.to(torch.bfloat16).double(), ref[1], ref[2]) * coef.double()).sum().backward()
+    for a, b in zip(leaves, ref):
+        assert a.grad.dtype == torch.float32 and torch.allclose(a.grad.double(), b.grad, atol=3e-2, rtol=3e-2)
+
+
 def test_objective_requires_the_target_distribution_for_tv():
     h, W, y, ht, e, w2 = _case()
     with pytest.raises(ValueError, match="target's last hidden"):

@@ -36,11 +36,24 @@ def check_weights(weights: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in weights.items()}
 
 
-def _chunk_logits(h, e, w2, lm_head, lo, hi):
-    z = h @ lm_head[lo:hi].t()
+def _matmul_dtype(h: torch.Tensor, lm_head: torch.Tensor) -> torch.dtype:
+    """The dtype of the logit products: autocast's when the forward runs under it (the backward, which
+    runs outside autocast, must recompute the same logits), else the promoted input dtype."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, lm_head.dtype)
+
+
+def _chunk_logits(h, e, w2, lm_head, lo, hi, dt):
+    z = h.to(dt) @ lm_head[lo:hi].to(dt).t()
     if e is not None:
-        z = z + e @ w2[lo:hi].t()
+        z = z + e.to(dt) @ w2[lo:hi].to(dt).t()
     return z.float()
+
+
+def _target_logits(ht, lm_head, lo, hi, dt):
+    return (ht.to(dt) @ lm_head[lo:hi].to(dt).t()).float()
 
 
 class ChunkedDistLoss(torch.autograd.Function):
@@ -49,7 +62,7 @@ class ChunkedDistLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, e, w2, lm_head, ht, y, chunk: int):
         M, V = h.shape[0], lm_head.shape[0]
-        dev = h.device
+        dev, dt = h.device, _matmul_dtype(h, lm_head)
         has_t = ht is not None
         lse_z = torch.full((M,), float("-inf"), device=dev)
         lse_t = torch.full((M,), float("-inf"), device=dev)
@@ -58,7 +71,7 @@ class ChunkedDistLoss(torch.autograd.Function):
         z_y = torch.zeros(M, device=dev)
         for lo in range(0, V, chunk):
             hi = min(V, lo + chunk)
-            z = _chunk_logits(h, e, w2, lm_head, lo, hi)
+            z = _chunk_logits(h, e, w2, lm_head, lo, hi, dt)
             lse_z = torch.logaddexp(lse_z, torch.logsumexp(z, -1))
             m, i = z.max(-1)
             upd = m > best
@@ -66,15 +79,15 @@ class ChunkedDistLoss(torch.autograd.Function):
             inside = (y >= lo) & (y < hi)
             z_y = torch.where(inside, z.gather(1, (y - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1), z_y)
             if has_t:
-                lse_t = torch.logaddexp(lse_t, torch.logsumexp((ht @ lm_head[lo:hi].t()).float(), -1))
+                lse_t = torch.logaddexp(lse_t, torch.logsumexp(_target_logits(ht, lm_head, lo, hi, dt), -1))
         kl = torch.zeros(M, device=dev)
         l1 = torch.zeros(M, device=dev)
         qs = torch.zeros(M, device=dev)
         if has_t:
             for lo in range(0, V, chunk):
                 hi = min(V, lo + chunk)
-                logq = _chunk_logits(h, e, w2, lm_head, lo, hi) - lse_z[:, None]
-                logp = (ht @ lm_head[lo:hi].t()).float() - lse_t[:, None]
+                logq = _chunk_logits(h, e, w2, lm_head, lo, hi, dt) - lse_z[:, None]
+                logp = _target_logits(ht, lm_head, lo, hi, dt) - lse_t[:, None]
                 q, p = logq.exp(), logp.exp()
                 kl += (p * (logp - logq)).sum(-1)
                 l1 += (q - p).abs().sum(-1)
@@ -82,14 +95,14 @@ class ChunkedDistLoss(torch.autograd.Function):
         terms = torch.stack([lse_z - z_y, kl, 0.5 * l1], dim=-1)
         hits = arg == y
         ctx.save_for_backward(h, e, w2, lm_head, ht, y, lse_z, lse_t, qs)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.dt = chunk, dt
         ctx.mark_non_differentiable(hits)
         return terms, hits
 
     @staticmethod
     def backward(ctx, g_terms, _g_hits):
         h, e, w2, lm_head, ht, y, lse_z, lse_t, qs = ctx.saved_tensors
-        V = lm_head.shape[0]
+        V, dt = lm_head.shape[0], ctx.dt
         g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
         need_h, need_e, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         gh = torch.zeros_like(h, dtype=torch.float32) if need_h else None
@@ -98,12 +111,12 @@ class ChunkedDistLoss(torch.autograd.Function):
         rows = torch.arange(h.shape[0], device=h.device)
         for lo in range(0, V, ctx.chunk):
             hi = min(V, lo + ctx.chunk)
-            q = (_chunk_logits(h, e, w2, lm_head, lo, hi) - lse_z[:, None]).exp()
+            q = (_chunk_logits(h, e, w2, lm_head, lo, hi, dt) - lse_z[:, None]).exp()
             gz = g_ce[:, None] * q
             inside = (y >= lo) & (y < hi)
             gz[rows[inside], y[inside] - lo] -= g_ce[inside]
             if ht is not None:
-                p = ((ht @ lm_head[lo:hi].t()).float() - lse_t[:, None]).exp()
+                p = (_target_logits(ht, lm_head, lo, hi, dt) - lse_t[:, None]).exp()
                 gz += g_kl[:, None] * (q - p)
                 gz += (0.5 * g_tv)[:, None] * q * (torch.sign(q - p) - qs[:, None])
             if gh is not None:
