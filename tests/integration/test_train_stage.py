@@ -187,6 +187,25 @@ def test_stage_resumes_an_interrupted_mtp_head(tiny_target_info, items, tmp_path
     assert (twice / weights).read_bytes() == (once / weights).read_bytes()
 
 
+def test_mtp_branch_refuses_too_little_disk_before_writing(tiny_target_info, items, tmp_path, capsys):
+    """The MTP head's checkpoints are budgeted like the drafter's: one line naming mtp_checkpoints, exit 2, and
+    no checkpoint, export or marker written."""
+    import functools
+
+    from draftforge.cli import run_stage
+    from draftforge.train.stage import main
+
+    _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items))
+    args = [*OVERRIDES, "drafter=mtp", "train.mtp_steps=2", "tracking.enabled=false", f"results_root={tmp_path}"]
+    with pytest.raises(SystemExit) as exc:
+        run_stage("train", functools.partial(main, free_bytes=lambda path: 1000), args)
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error:" in ln]
+    ckpts = tmp_path / "smoke" / ".work" / "train" / "mtp" / "mtp_checkpoints"
+    assert len(err) == 1 and f"{ckpts}: not enough disk for training checkpoints" in err[0] and "1000 B is free" in err[0]
+    assert not list(ckpts.glob("*.pt")) and not (tmp_path / "smoke" / "train" / "mtp" / "metrics.json").exists()
+
+
 def test_sigterm_stops_after_a_checkpointed_step_and_a_rerun_resumes(tiny_target_info, items, tmp_path):
     """SIGTERM (a scheduler's preemption) mid-training: the stage finishes its step, writes that step's checkpoint,
     exits 2 with one line naming the step, and writes no marker; the same command then resumes from that step."""

@@ -328,10 +328,11 @@ _MTP_RESUME_KEYS = ("mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_dra
 
 
 def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any,
-                     stop: Any = None) -> dict[str, Any] | None:
+                     stop: Any = None, disk_check: Any = None) -> dict[str, Any] | None:
     """The train stage's MTP part, on every rank: train (resuming from ctx.work_dir/mtp_checkpoints),
     then rank 0 exports to out_dir/mtp in vLLM's MiMo MTP format and returns the metrics.json entry
-    (None on other ranks). A `stop` request ends it after a checkpointed step with one StageError."""
+    (None on other ranks). A `stop` request ends it after a checkpointed step with one StageError;
+    `disk_check(n_trainable_params)` (rank 0) may refuse before anything is written."""
     from draftforge.drafter.mtp import export_mimo_head, new_trained_head
     from draftforge.errors import StageError
     from draftforge.io import sha256_file, sha256_json
@@ -343,6 +344,8 @@ def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, 
         head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
     except ValueError as exc:
         raise StageError(f"drafter=mtp: {ctx.input_marker('extract')}: {exc}") from None
+    if disk_check is not None:
+        disk_check(sum(p.numel() for p in head.parameters() if p.requires_grad))
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
     resume_key = sha256_json({"mtp": {k: getattr(cfg, k) for k in _MTP_RESUME_KEYS}, "target": info["fingerprint"],
                               "extract": sha256_file(ctx.input_marker("extract")),

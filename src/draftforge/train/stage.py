@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,22 +58,24 @@ def train_config(ctx) -> TrainConfig:
     return TrainConfig(**plain)
 
 
-def disk_needed(dcfg: DFlashConfig, cfg: TrainConfig) -> int:
-    """Bytes train writes at most: `keep_checkpoints` + 1 in flight (fp32 weights + AdamW moments),
-    best.pt (fp32 weights) and the export (export_dtype)."""
-    from draftforge.drafter.export import expected_shapes
-
-    n_params = sum(math.prod(shape) for shape in expected_shapes(dcfg).values())
+def disk_needed(n_params: int, cfg: TrainConfig) -> int:
+    """Bytes train writes at most for a model of n_params trainable parameters: `keep_checkpoints` + 1 in
+    flight (fp32 weights + AdamW moments), best.pt (fp32 weights) and the export (export_dtype)."""
     export_bytes = torch.empty((), dtype=getattr(torch, cfg.export_dtype)).element_size()
     return n_params * (12 * (max(cfg.keep_checkpoints, 1) + 1) + 4 + export_bytes) + (1 << 20)
 
 
-def check_disk(ctx, dcfg: DFlashConfig, cfg: TrainConfig, free_bytes: FreeBytes) -> None:
+def drafter_numel(dcfg: DFlashConfig) -> int:
+    from draftforge.drafter.export import expected_shapes
+
+    return sum(math.prod(shape) for shape in expected_shapes(dcfg).values())
+
+
+def check_disk(ckpt_dir: Path, out_dir: Path, n_params: int, cfg: TrainConfig, free_bytes: FreeBytes) -> None:
     """Refuse to start (one line) when checkpoints and the export cannot fit; nothing is touched."""
-    ckpt_dir = ctx.work_dir / "checkpoints"
     have = sum(p.stat().st_size for p in ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else 0
-    need = max(0, disk_needed(dcfg, cfg) - have)
-    free = min(free_bytes(ckpt_dir), free_bytes(ctx.out_dir))
+    need = max(0, disk_needed(n_params, cfg) - have)
+    free = min(free_bytes(ckpt_dir), free_bytes(out_dir))
     if need * DISK_MARGIN > free:
         raise StageError(f"{ckpt_dir}: not enough disk for training checkpoints and the export: need ~{fmt_bytes(need)} "
                          f"(x {DISK_MARGIN} margin) but {fmt_bytes(free)} is free; free space, point results_root "
@@ -91,11 +94,11 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     info = read_target_info(ctx.input_marker("target"))
     shape = ctx.cfg.drafter
     if shape.type == "mtp":
-        return main_mtp(ctx, cfg, info)
+        return main_mtp(ctx, cfg, info, free_bytes)
     dcfg = drafter_config(shape, info)
     loss_weights = effective_loss_weights(shape)
     if ctx.is_rank0:
-        check_disk(ctx, dcfg, cfg, free_bytes)
+        check_disk(ctx.work_dir / "checkpoints", ctx.out_dir, drafter_numel(dcfg), cfg, free_bytes)
     device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
     init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
     try:
@@ -158,7 +161,7 @@ _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints
                       "mtp_steps", "mtp_batch_seqs", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
-def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
+def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBytes = disk_free) -> None:
     """The mtp branch: train the MiMo-form MTP head (target without MTP layers) into out_dir/mtp, or record that
     the target's native MTP layer serves (nothing to train); metrics.json last."""
     from draftforge.tracking import mlflow_run
@@ -173,10 +176,13 @@ def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any]) -> None:
         init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
         try:
             with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}/mtp", params=ctx.params) as run:
-                from draftforge.train.mtp import run_mtp_training
+                from draftforge.train.mtp import MTP_CHECKPOINTS, run_mtp_training
+
+                def disk_check(n_params: int) -> None:  # rank 0, once the head's size is known, before any write
+                    check_disk(ctx.work_dir / MTP_CHECKPOINTS, ctx.out_dir, n_params, cfg, free_bytes)
 
                 with StopRequest().on_signals() as stop:
-                    mtp = run_mtp_training(ctx, cfg, info, device, run, stop)  # every rank trains; rank 0 exports (None elsewhere)
+                    mtp = run_mtp_training(ctx, cfg, info, device, run, stop, disk_check if ctx.is_rank0 else None)  # every rank trains; rank 0 exports (None elsewhere)
                 if mtp and mtp.get("best"):
                     run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
             if ctx.world_size > 1:
