@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine.target import TargetModel, apply_rope
+from draftforge.engine.target import TargetModel, attend_folded, attention_out, split_heads
 
 
 @dataclass
@@ -88,20 +88,8 @@ def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor, bqkv: torch.
               cos: torch.Tensor, sin: torch.Tensor, q_out: int, kv_out: int, n_heads: int, n_kv: int, hd: int,
               qk_norm: bool, gated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """h (1, n, H) → q (1, Hq, n, hd), k, v (1, Hkv, n, hd) with rotary, output gate (1, n, Hq·hd) or None."""
-    n = h.shape[1]
-    qkv = F.linear(norm(h), wqkv, bqkv)  # (1, n, q_out + 2·kv_out)
-    qg, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
-    gate = None
-    if gated:
-        qg = qg.reshape(1, n, n_heads, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, n_heads * hd)
-    else:
-        q = qg.reshape(1, n, n_heads, hd)
-    k, v = k.reshape(1, n, n_kv, hd), v.reshape(1, n, n_kv, hd)
-    if qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+    qg, k, v = F.linear(norm(h), wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
+    return split_heads(attn, qg, k, v, cos, sin, n_heads, n_kv, hd, qk_norm, gated)
 
 
 def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
@@ -119,14 +107,8 @@ def out_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, q: to
               v_cache: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Attention of q (1, Hq, n, hd) over the cache (Hkv, cap, hd) under the additive folded mask
     (1, 1, g·n, cap), o_proj, residual, MLP block."""
-    _, hq, n, hd = q.shape
-    hkv = k_cache.shape[0]
-    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)  # native GQA: query heads of a KV head folded into rows
-    o = F.scaled_dot_product_attention(qf, k_cache[None], v_cache[None], attn_mask=mask, scale=scale)
-    o = o.reshape(1, hq, n, hd).transpose(1, 2).reshape(1, n, hq * hd)
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return mlp_block(layer, wgu, h + layer.self_attn.o_proj(o))
+    o = attend_folded(q, k_cache[None], v_cache[None], mask, scale)
+    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
 
 
 @dataclass

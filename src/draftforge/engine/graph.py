@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from draftforge.drafter.attention import apply_rope as drafter_rope
 from draftforge.engine import gdn
 from draftforge.engine.state import CapacityError, TargetState
 from draftforge.engine.target import (
     TargetModel,
+    attend_folded,
     attention_out,
     mlp,
     project_qkv,
@@ -78,15 +78,6 @@ def _mask_over(anc: torch.Tensor, past: torch.Tensor, cols: torch.Tensor, group:
     if group > 1:  # query rows are (query head in group, node): the same mask per head
         mask = mask.repeat(group, 1)
     return mask[None, None]
-
-
-def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """GQA without expanding K/V: q (1, Hq, n, hd) → (1, Hkv, g·n, hd) against k, v (1, Hkv, L, hd)."""
-    _, hq, n, hd = q.shape
-    hkv = k.shape[1]
-    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-    return o.reshape(1, hq, n, hd)
 
 
 @dataclass
@@ -250,7 +241,7 @@ class CapturedEngine:
 
     def _step(self, b: _Bucket) -> None:
         """The static forward over bucket b's staged inputs (captured on CUDA)."""
-        tm, st, n = self.tm, self.state, b.n
+        tm, n = self.tm, b.n
         meta = b.meta
         ids, pos, depths, slots = meta[0:1], meta[1], meta[2], meta[3]
         real = meta[4]
@@ -259,22 +250,10 @@ class CapturedEngine:
         mask = _mask_over(b.anc, slots[:1], self.cols, self.group, tm.dtype)
         h = tm.embed(ids)
         for i, layer in enumerate(tm.layers):
-            x = layer.input_layernorm(h) if self.blocks is None else None
-            s = tm.slots[i]
-            if self.blocks is not None:  # compiled blocks: norm inside, cache writes outside
-                h = self._compiled_layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
-            elif tm.kinds[i] == "attention":
-                attn = layer.self_attn
-                q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
-                kv = st.kv[s]
-                kv[0].index_copy_(1, slots, k[0])
-                kv[1].index_copy_(1, slots, v[0])
-                o = _attend_folded(q, kv[0][None], kv[1][None], mask, attn.scaling)
-                h = h + attention_out(tm, attn, o, gate)
-            elif self.gdn_mixers:
-                h = h + self._gdn(layer.linear_attn, x, s, depths, b.anc, anc_at, real, n)
-            if self.blocks is None:
-                h = h + mlp(layer, layer.post_attention_layernorm(h))
+            if self.blocks is not None:  # fused blocks: norms inside, cache writes outside
+                h = self._fused_layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
+            else:
+                h = self._layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
             t = tm._tap_pos.get(i)
             if t is not None and b.taps is not None:
                 H = tm.hidden_size
@@ -283,8 +262,25 @@ class CapturedEngine:
         b.h.copy_(hn)
         b.logits.copy_(tm.lm_head(hn[0]))
 
-    def _compiled_layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
-        """One decoder layer through the compiled blocks (fused.py); same function as the eager branch."""
+    def _layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
+        """One decoder layer from the HF modules."""
+        tm, st = self.tm, self.state
+        x = layer.input_layernorm(h)
+        s = tm.slots[i]
+        if tm.kinds[i] == "attention":
+            attn = layer.self_attn
+            q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
+            kv = st.kv[s]
+            kv[0].index_copy_(1, slots, k[0])
+            kv[1].index_copy_(1, slots, v[0])
+            o = attend_folded(q, kv[0][None], kv[1][None], mask, attn.scaling)
+            h = h + attention_out(attn, o, gate)
+        elif self.gdn_mixers:
+            h = h + self._gdn(layer.linear_attn, x, s, depths, b.anc, anc_at, real, n)
+        return h + mlp(layer, layer.post_attention_layernorm(h))
+
+    def _fused_layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
+        """One decoder layer through the fused blocks (fused.py, compiled or not); same function as `_layer`."""
         tm, fl, blk = self.tm, self.fused[i], self.blocks
         s = tm.slots[i]
         if tm.kinds[i] == "attention":
@@ -471,7 +467,7 @@ class _StaticDrafter:
             kb, vb = a.project_kv(x, b_cos, b_sin)
             self.kv[i, 0].index_copy_(1, bslots, kb[0])  # after the context: padded context slots are overwritten
             self.kv[i, 1].index_copy_(1, bslots, vb[0])
-            o = _attend_folded(q, self.kv[i, 0][None], self.kv[i, 1][None], mask, None)
+            o = attend_folded(q, self.kv[i, 0][None], self.kv[i, 1][None], mask, None)
             h = h + a.o_proj(o.transpose(1, 2).reshape(1, B, a.n_heads * a.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = d.norm(h)

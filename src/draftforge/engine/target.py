@@ -164,29 +164,44 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def project_qkv(tm: TargetModel, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def split_heads(attn: nn.Module, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, n_heads: int, n_kv: int, hd: int, qk_norm: bool, gated: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x (1, n, H) normed → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
-    n, hd = x.shape[1], tm.head_dim
-    qg = attn.q_proj(x)
+    """Projections (1, n, ·) → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
+    n = qg.shape[1]
     gate = None
-    if tm.gated_attention:
-        qg = qg.view(1, n, tm.num_heads, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, tm.num_heads * hd)
+    if gated:
+        qg = qg.reshape(1, n, n_heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, n_heads * hd)
     else:
-        q = qg.view(1, n, tm.num_heads, hd)
-    k = attn.k_proj(x).view(1, n, tm.num_kv_heads, hd)
-    v = attn.v_proj(x).view(1, n, tm.num_kv_heads, hd)
-    if tm.qk_norm:  # per-head RMSNorm before RoPE
+        q = qg.reshape(1, n, n_heads, hd)
+    k, v = k.reshape(1, n, n_kv, hd), v.reshape(1, n, n_kv, hd)
+    if qk_norm:  # per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
 
-def attention_out(tm: TargetModel, attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """GQA without expanding K/V: q (1, Hq, n, hd) → (1, Hkv, g·n, hd) against k, v (1, Hkv, L, hd)."""
+    _, hq, n, hd = q.shape
+    hkv = k.shape[1]
+    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(1, hq, n, hd)
+
+
+def project_qkv(tm: TargetModel, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x (1, n, H) normed → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
+    return split_heads(attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, tm.num_heads,
+                       tm.num_kv_heads, tm.head_dim, tm.qk_norm, tm.gated_attention)
+
+
+def attention_out(attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """o (1, heads, n, hd) → (1, n, H): output gate (gated attention) and o_proj."""
-    n = o.shape[2]
-    o = o.transpose(1, 2).reshape(1, n, tm.num_heads * tm.head_dim)
+    _, hq, n, hd = o.shape
+    o = o.transpose(1, 2).reshape(1, n, hq * hd)
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return attn.o_proj(o)
@@ -200,7 +215,7 @@ def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tens
     kv[0, :, past:end] = k[0]
     kv[1, :, past:end] = v[0]
     o = _attend(q, kv[0, :, :end][None], kv[1, :, :end][None], span.mask, attn.scaling)  # (1, heads, n, hd)
-    return attention_out(tm, attn, o, gate)
+    return attention_out(attn, o, gate)
 
 
 def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
