@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_engine_tree_tiny(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     cmd = [sys.executable, str(REPO / "benchmarks/engine_tree.py"), "--tiny", "--target", "qwen3.6-27b-random",
-           "--verify-budgets", "0,16", "--round-budgets", "16", "--lossless-prompts", "1"]
+           "--verify-budgets", "0,16", "--round-budgets", "16", "--lossless-prompts", "1",
+           "--engines", "eager,captured"]  # compiled is covered by tests/unit/test_engine_graph.py
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "engine_tree_qwen3.6-27b-random.json").read_text())
