@@ -82,3 +82,28 @@ def test_captured_size_errors() -> None:
     with pytest.raises(CapacityError, match="exceed the fixed capacity"):
         generate(tm, make_method("ddtree", tm, d, 256), p, eng.capacity, engine=eng)
     assert generate(tm, None, p, 8, engine=eng).tokens == generate(tm, None, p, 8).tokens  # still usable
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype) -> None:
+    """The split-KV kernel against the folded SDPA at a Qwen3-8B head shape: AR step, chain, tree spans."""
+    from draftforge.engine.split_attention import combine_splits, split_partials, usable
+    from draftforge.engine.target import attend_folded
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, hd, cap = 32, 8, 128, 2048
+    for n, kv_len in ((1, 700), (16, 1500), (65, 2048)):
+        q = torch.randn(1, hq, n, hd, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(hkv, cap, hd, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        past = kv_len - n
+        vis = torch.zeros(n, cap, dtype=torch.bool, device="cuda")
+        vis[:, :past] = True
+        vis[:, past:kv_len] = torch.tril(torch.rand(n, n, device="cuda", generator=g) < 0.5) | torch.eye(
+            n, dtype=torch.bool, device="cuda")
+        mask = torch.zeros((), device="cuda", dtype=dtype).masked_fill(~vis, float("-inf")).repeat(hq // hkv, 1)
+        assert usable(q, (hq // hkv) * n, hkv)
+        ref = attend_folded(q, k[None], v[None], mask[None, None], hd**-0.5).float()
+        kv = torch.tensor([kv_len], device="cuda")
+        out = combine_splits(*split_partials(q, k, v, mask[None, None], kv, hd**-0.5), n, dtype).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (out - ref).abs().max().item() < tol * ref.abs().max().item(), (n, dtype)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftforge.cli import run_stage  # noqa: E402
+from draftforge.cli import make_context, run_stage  # noqa: E402
 from draftforge.evaluate.stage import main  # noqa: E402
 from draftforge.rows import ROW_KEYS  # noqa: E402
 from evaluate_fixtures import tiny_pipeline  # noqa: E402
@@ -59,6 +59,44 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
     assert set(runs["tags.engine"]) == {"draftforge"}
     assert set(runs["tags.method"]) == {"ar", "dflash", "ddtree"}
     assert set(runs["tags.budget"]) == {"", "1", "32"} and set(runs["tags.dataset"]) == {"chitchat", "gsm_symbolic"}
+
+
+def test_interrupted_run_reuses_finished_datasets_only_with_the_same_inputs(tmp_path, monkeypatch):
+    """Killed on the second dataset: the rerun times only that one (the first is reused, its MLflow runs not
+    logged twice); after success the records are gone, and a changed config measures everything again."""
+    import mlflow
+
+    from draftforge.evaluate import stage
+
+    tiny_pipeline(tmp_path)
+    timed: list[str] = []
+    real = stage.run_dataset
+
+    def run_dataset(es, plan, dataset, *a, **kw):
+        timed.append(dataset)
+        if dataset == "gsm_symbolic" and fail:
+            raise KeyboardInterrupt  # the machine goes away mid-stage
+        return real(es, plan, dataset, *a, **kw)
+
+    monkeypatch.setattr(stage, "run_dataset", run_dataset)
+    fail = True
+    with pytest.raises(KeyboardInterrupt):
+        stage.main(make_context("evaluate", _args(tmp_path)))
+    out = tmp_path / "smoke" / "evaluate" / "dflash"
+    first = json.loads((out / "chitchat.json").read_text())
+    assert not (out / "evaluate.json").exists() and set(timed) == {"chitchat", "gsm_symbolic"}
+    fail, timed[:] = False, []
+    run_stage("evaluate", main, argv=_args(tmp_path))
+    assert set(timed) == {"gsm_symbolic"}  # chitchat reused
+    marker = json.loads((out / "evaluate.json").read_text())
+    assert [r for r in marker["rows"] if r["dataset"] == "chitchat"] == first["rows"]
+    assert not (tmp_path / "smoke" / ".work" / "evaluate" / "dflash" / "finished").exists()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["draftforge/smoke"], filter_string="tags.stage = 'evaluate'")
+    assert len(runs) == 2 * 4  # datasets × (ar, dflash, ddtree@1, ddtree@32): nothing logged twice
+    timed[:] = []
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.max_new_tokens=10"))
+    assert set(timed) == {"chitchat", "gsm_symbolic"}
 
 
 def test_torchrun_data_parallel_cpu(tmp_path):

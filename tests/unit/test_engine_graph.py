@@ -85,10 +85,11 @@ def test_padded_bucket_gives_the_real_nodes_the_same_outputs_and_state(arch):
         assert _rel(x, y) < 1e-5 if y.numel() else True
 
 
-def test_static_drafter_matches_eager_drafter_logits():
+@pytest.mark.parametrize("fused", [False, True])
+def test_static_drafter_matches_eager_drafter_logits(fused):
     tm = tiny_target("Qwen3ForCausalLM", seed=5)
     d = tiny_drafter(tm, seed=5)
-    eng = CapturedEngine(tm, 128, (1, d.cfg.block_size), drafter=d)
+    eng = CapturedEngine(tm, 128, (1, d.cfg.block_size), drafter=d, fused=fused)
     ref, sd = DrafterContext(d, tm), eng.drafter.context()
     g = torch.Generator().manual_seed(5)
     taps = torch.randn(1, 30, len(tm.tap_ids) * tm.hidden_size, generator=g)
@@ -152,6 +153,8 @@ def test_fused_blocks_give_the_eager_tokens_and_share_the_weights(arch):
     a = attn_layer.self_attn
     assert a.k_proj.weight.untyped_storage().data_ptr() == fl.wqkv.untyped_storage().data_ptr()
     assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), fl.wqkv)
+    da = d.layers[0].self_attn  # the drafter's layers are fused the same way
+    assert da.v_proj.weight.untyped_storage().data_ptr() == d.layers[0]._draftforge_fused.wqkv.untyped_storage().data_ptr()
     assert generate(tm, None, p, 20).tokens == ar  # eager engine over the re-pointed weights
     assert generate(tm, None, p, 20, engine=eng).tokens == ar
     for name, b in (("dflash", None), ("ddtree", 16)):

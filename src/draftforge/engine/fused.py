@@ -11,7 +11,11 @@ CUDA graph, which puts an 8B AR step at ~2.8× the weight-bandwidth floor (docs/
   every layer of the same structure (dynamo lifts the parameters to inputs):
     qkv_block   norm → fused QKV → q/k norms → rotary            (1, n, H) → q, k, v, gate
     out_block   attention over the fixed-capacity cache → o_proj → residual → MLP block
+    split_block the same after split-KV attention (split_attention.py): merge the partials → o_proj → …
     mlp_block   norm → fused gate/up → act · up → down → residual (GDN layers' MLP)
+  and two for the drafter's block pass (every drafter layer has one structure):
+    draft_qkv_block  norm(block) → one fused QKV GEMM over [context features; block] → q/k norms → rotary
+    draft_out_block  attention over the drafter's cache → o_proj → residual → norm → fused SwiGLU → residual
   The cache writes (`index_copy_` at the span's slots) stay outside the compiled regions, so Inductor
   never functionalises a mutation of the whole cache.
 
@@ -28,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftforge.drafter.attention import apply_rope
+from draftforge.engine.split_attention import combine_splits
 from draftforge.engine.target import TargetModel, attend_folded, attention_out, split_heads
 
 
@@ -111,18 +117,77 @@ def out_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, q: to
     return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
 
 
+def split_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, acc: torch.Tensor, mx: torch.Tensor,
+                sm: torch.Tensor, gate: torch.Tensor | None, n: int) -> torch.Tensor:
+    """`out_block` after split-KV attention: partials (split_attention.split_partials) of n query nodes."""
+    o = combine_splits(acc, mx, sm, n, h.dtype)  # (1, Hq, n, hd)
+    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
+
+
+@dataclass
+class FusedDraftLayer:
+    wqkv: torch.Tensor  # (q_out + 2·kv_out, H)
+    wgu: torch.Tensor  # (2·I, H)
+
+
+@torch.no_grad()
+def fuse_drafter(drafter: nn.Module) -> list[FusedDraftLayer]:
+    """Per drafter layer: fused q/k/v and gate/up weights (views re-pointed as in `fuse_projections`)."""
+    out = []
+    for layer in drafter.layers:
+        cached = getattr(layer, "_draftforge_fused", None)
+        if cached is None:
+            a, m = layer.self_attn, layer.mlp
+            cached = FusedDraftLayer(wqkv=_fuse([a.q_proj, a.k_proj, a.v_proj], bias=False),
+                                     wgu=_fuse([m.gate_proj, m.up_proj], bias=False))
+            layer._draftforge_fused = cached
+        out.append(cached)
+    return out
+
+
+def draft_qkv_block(layer: nn.Module, wqkv: torch.Tensor, h: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h (1, B, H) block states, ctx (1, B, H) projected context features, cos/sin (1, 2B, hd) at [context
+    slots; block slots] → q (1, Hq, B, hd) of the block, k, v (1, Hkv, 2B, hd) of [context; block]."""
+    a = layer.self_attn
+    B = h.shape[1]
+    y = F.linear(torch.cat([ctx, layer.input_layernorm(h)], dim=1), wqkv)  # (1, 2B, q + 2·kv)
+    q_out, kv_out = a.n_heads * a.head_dim, a.n_kv * a.head_dim
+    q, k, v = y.split([q_out, kv_out, kv_out], dim=-1)
+    q = a.q_norm(q[:, B:].view(1, B, a.n_heads, a.head_dim)).transpose(1, 2)
+    k = a.k_norm(k.view(1, 2 * B, a.n_kv, a.head_dim)).transpose(1, 2)
+    v = v.view(1, 2 * B, a.n_kv, a.head_dim).transpose(1, 2)
+    return apply_rope(q, cos[:, None, B:], sin[:, None, B:]), apply_rope(k, cos[:, None], sin[:, None]), v
+
+
+def draft_out_block(layer: nn.Module, wgu: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of the block's q over the drafter cache (Hkv, cap, hd), o_proj, residual, SwiGLU, residual."""
+    a = layer.self_attn
+    B = h.shape[1]
+    o = attend_folded(q, k_cache[None], v_cache[None], mask, None)
+    h = h + a.o_proj(o.transpose(1, 2).reshape(1, B, a.n_heads * a.head_dim))
+    g, u = F.linear(layer.post_attention_layernorm(h), wgu).chunk(2, dim=-1)
+    return h + layer.mlp.down_proj(F.silu(g) * u)
+
+
 @dataclass
 class CompiledBlocks:
     qkv: Any
     out: Any
+    split: Any
     mlp: Any
+    draft_qkv: Any
+    draft_out: Any
 
 
 def layer_blocks(compiled: bool) -> CompiledBlocks:
     """The three blocks, under torch.compile when `compiled` (static shapes: one graph per verify bucket,
     shared by every layer of one structure); as plain functions otherwise (CPU tests of the fused math)."""
+    plain = dict(qkv=qkv_block, out=out_block, split=split_block, mlp=mlp_block, draft_qkv=draft_qkv_block,
+                 draft_out=draft_out_block)
     if not compiled:
-        return CompiledBlocks(qkv=qkv_block, out=out_block, mlp=mlp_block)
+        return CompiledBlocks(**plain)
     import torch._dynamo
     import torch._inductor.config
 
@@ -131,5 +196,4 @@ def layer_blocks(compiled: bool) -> CompiledBlocks:
     # round to the model dtype where the eager code casts (bf16 results then differ from eager by ties only)
     torch._inductor.config.emulate_precision_casts = True
     kw: dict[str, Any] = {"dynamic": False, "fullgraph": True}
-    return CompiledBlocks(qkv=torch.compile(qkv_block, **kw), out=torch.compile(out_block, **kw),
-                          mlp=torch.compile(mlp_block, **kw))
+    return CompiledBlocks(**{name: torch.compile(fn, **kw) for name, fn in plain.items()})

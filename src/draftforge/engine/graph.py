@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from draftforge.drafter.attention import apply_rope as drafter_rope
-from draftforge.engine import gdn
+from draftforge.engine import fused as fused_blocks
+from draftforge.engine import gdn, split_attention
 from draftforge.engine.state import CapacityError, TargetState
 from draftforge.engine.target import (
     TargetModel,
@@ -119,7 +120,7 @@ class CapturedEngine:
 
     def __init__(self, tm: TargetModel, capacity: int, buckets: Sequence[int] = (1,), drafter: Any = None,
                  graphs: bool | None = None, gdn_mixers: bool = True, fused: bool = False,
-                 compile: bool = False) -> None:
+                 compile: bool = False, split_attention: bool = True) -> None:
         self.tm = tm
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
@@ -134,10 +135,10 @@ class CapturedEngine:
         if fused or compile:
             if compile and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
                 raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
-            from draftforge.engine import fused as fused_blocks
-
             self.fused = fused_blocks.fuse_projections(tm)
             self.blocks = fused_blocks.layer_blocks(compiled=compile)
+        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle
+        self.split_attention = split_attention
         self.capacity = _align(int(capacity))
         self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
         dev, dt = tm.device, tm.dtype
@@ -290,6 +291,10 @@ class CapturedEngine:
             kv = self.state.kv[s]
             kv[0].index_copy_(1, slots, k[0])
             kv[1].index_copy_(1, slots, v[0])
+            if self.split_attention and split_attention.usable(q, self.group * n, tm.num_kv_heads):
+                kv_len = slots[-1:] + 1  # rows ≥ the span's last slot are masked: the kernel stops there
+                parts = split_attention.split_partials(q, kv[0], kv[1], mask, kv_len, attn.scaling)
+                return blk.split(layer, fl.wgu, h, *parts, gate, n)
             return blk.out(layer, fl.wgu, h, q, kv[0], kv[1], mask, gate, attn.scaling)
         if self.gdn_mixers:
             h = h + self._gdn(layer.linear_attn, layer.input_layernorm(h), s, depths, b.anc, anc_at, real, n)
@@ -442,6 +447,8 @@ class _StaticDrafter:
         self.hmeta = torch.zeros(3, self.B, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.logits = torch.zeros(self.B - 1, eng.tm.vocab_size, device=dev, dtype=eng.tm.dtype)
         self.graph = None
+        self.blocks = eng.blocks  # the engine's fused (or compiled) blocks serve the drafter too
+        self.fused = fused_blocks.fuse_drafter(drafter) if eng.blocks is not None else None
 
     def _rope(self, positions: torch.Tensor):
         return self.d._rope(positions, self.dt)
@@ -456,6 +463,18 @@ class _StaticDrafter:
         mask = torch.zeros((), device=vis.device, dtype=self.dt).masked_fill(~vis, float("-inf"))
         mask = mask.expand(self.group * B, self.cap).contiguous()[None, None]
         h = self.eng.tm.embed(ids).to(self.dt)
+        if self.blocks is not None:
+            cos, sin = self._rope(torch.cat([cslots, bslots]))  # (1, 2B, hd)
+            for i, layer in enumerate(d.layers):
+                fl = self.fused[i]
+                q, k, v = self.blocks.draft_qkv(layer, fl.wqkv, h, ctx, cos, sin)
+                for rows, slots in ((slice(0, B), cslots), (slice(B, 2 * B), bslots)):  # block after context
+                    self.kv[i, 0].index_copy_(1, slots, k[0, :, rows])
+                    self.kv[i, 1].index_copy_(1, slots, v[0, :, rows])
+                h = self.blocks.draft_out(layer, fl.wgu, h, q, self.kv[i, 0], self.kv[i, 1], mask)
+            h = d.norm(h)
+            self.logits.copy_(self.eng.tm.lm_head(h[0, 1:].to(self.eng.tm.dtype)))
+            return
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             kc, vc = a.project_kv(ctx, c_cos, c_sin)

@@ -2,7 +2,8 @@
 DDTree; dspark: DSpark / DDTree / DDTree-Markov; mtp: MTP) on the eval prompt sets → results/<exp>/evaluate/<name>/.
 
 Outputs: `<dataset>.json` (rows + per-response records) per dataset, then the marker
-`evaluate.json` (all rows; row keys shared with `baselines` so `report` merges them).
+`evaluate.json` (all rows; row keys shared with `baselines` so `report` merges them). A rerun after an
+interruption reuses the datasets that finished with the same inputs (evaluate/resume.py).
 One MLflow run per (dataset, method, budget, temperature), tagged method/dataset/budget/engine (tree
 methods: auto_budget / best_budget). Timing: evaluate.repeats interleaved passes (runner.run_dataset), rows
 report medians with min/max; calibration prompts choose the auto budget (evaluate/budget.py).
@@ -25,6 +26,7 @@ from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import eval_and_calibration_sets
+from draftforge.evaluate.resume import clear_finished, dataset_key, load_finished, save_finished
 from draftforge.evaluate.runner import EngineSet, calibration_plan, method_plan, run_dataset
 from draftforge.io import write_json
 from draftforge.runtime import dtype_named, init_distributed, pick_device
@@ -163,7 +165,17 @@ def main(ctx) -> None:
 
     all_rows: list[dict[str, Any]] = []
     files = {}
+    upstream = [p for p in (ctx.input_marker("target"), ctx.input_dir("train") / STAGE_MARKERS["train"]) if p.is_file()]
     for dataset, prompts in sets.items():
+        key = dataset_key(ctx, upstream, dataset, prompts, calib[dataset])
+        done = load_finished(ctx, dataset, key)  # every rank reads the same record: all skip or none do
+        if done is not None:
+            log.info("%s: reusing the %d rows finished by an interrupted run with the same inputs", dataset, len(done["rows"]))
+            if ctx.is_rank0:
+                write_json(ctx.out_dir / f"{dataset}.json", done)
+                files[dataset] = f"{dataset}.json"
+                all_rows += done["rows"]
+            continue
         mine = [(i, p) for i, p in enumerate(prompts) if i % ctx.world_size == ctx.rank]
         records: list[dict[str, Any]] = []
         for temp in cfg.temperatures:
@@ -179,11 +191,13 @@ def main(ctx) -> None:
             row["drafter"] = ctx.drafter
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
-        write_json(path, {"dataset": dataset, "engine": "draftforge", "target": info.get("name"),
-                          "device": str(device), "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE,
-                          "rows": rows, "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))})
+        payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), "device": str(device),
+                   "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE, "rows": rows,
+                   "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))}
+        write_json(path, payload)
         files[dataset] = path.name
         log_rows(ctx, rows)
+        save_finished(ctx, dataset, key, payload)  # after its MLflow runs: a reused dataset is never logged twice
         for row in rows:
             flags = "".join(f" {f}" for f in ("auto_budget", "best_budget") if row.get(f))
             log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f [%.1f..%.1f] tau=%.2f speedup=%.2f mismatches=%s%s", dataset,
@@ -198,6 +212,7 @@ def main(ctx) -> None:
             "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
             "note": BEST_NOTE, "rows": all_rows,
         })  # fmt: skip
+        clear_finished(ctx)
     if ctx.world_size > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
