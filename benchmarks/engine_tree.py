@@ -191,8 +191,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="qwen3-8b-random", help="qwen3-8b-random | smollm2-135m-shape | qwen3.6-27b-random")
     ap.add_argument("--tiny", action="store_true", help="tiny CPU model of the target's kind (seconds)")
-    ap.add_argument("--engines", default="eager,captured,compiled", help="eager | captured | compiled (captured + torch.compile + split-KV attention) | "
-                    "compiled_sdpa (compiled, SDPA attention)")
+    ap.add_argument("--engines", default="eager,captured,compiled", help="eager | captured | compiled (captured + torch.compile) | "
+                    "compiled_split (compiled + split-KV attention)")
     ap.add_argument("--verify-budgets", default=",".join(map(str, VERIFY_BUDGETS)))
     ap.add_argument("--round-budgets", default=",".join(map(str, ROUND_BUDGETS)))
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -258,11 +258,11 @@ def main() -> None:
     for engine in engines:
         eng = None
         rec: dict = {"engine": engine}
-        if engine in ("captured", "compiled", "compiled_sdpa"):
+        if engine in ("captured", "compiled", "compiled_split"):
             buckets = verify_buckets(block, vbudgets + rbudgets)
             t1 = time.perf_counter()
             eng = CapturedEngine(tm, capacity, buckets, drafter=drafter, compile=engine.startswith("compiled"),
-                                 split_attention=engine != "compiled_sdpa")
+                                 split_attention=engine == "compiled_split")
             cap_s = eng.capture()
             rec["capture_s"] = time.perf_counter() - t1
             rec["capture_s_by_graph"] = cap_s

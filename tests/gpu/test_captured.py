@@ -25,13 +25,13 @@ def _setup(arch: str, dtype: torch.dtype, seed: int = 0, variant: str = "graphs"
     tm.hf.to("cuda", dtype)
     d = tiny_drafter(tm, seed=seed).to("cuda", dtype)
     eng = CapturedEngine(tm, 512, verify_buckets(d.cfg.block_size, BUDGETS), drafter=d,
-                         compile=variant == "compiled")
+                         compile=variant.startswith("compiled"), split_attention=variant == "compiled_split")
     eng.capture()
     assert eng.graphs and all(b.graph is not None for b in eng._buckets.values()) and eng.drafter.graph is not None
     return tm, d, eng
 
 
-@pytest.mark.parametrize("variant", ["graphs", "compiled"])
+@pytest.mark.parametrize("variant", ["graphs", "compiled", "compiled_split"])
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
 def test_captured_equals_eager_fp32(arch: str, variant: str) -> None:
     from draftforge.engine import generate, make_method
@@ -49,7 +49,7 @@ def test_captured_equals_eager_fp32(arch: str, variant: str) -> None:
             assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
 
 
-@pytest.mark.parametrize("variant", ["graphs", "compiled"])
+@pytest.mark.parametrize("variant", ["graphs", "compiled", "compiled_split"])
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
 def test_captured_bf16_differences_are_rare_and_counted(arch: str, variant: str) -> None:
     from draftforge.engine import generate, make_method

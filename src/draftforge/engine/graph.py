@@ -120,7 +120,7 @@ class CapturedEngine:
 
     def __init__(self, tm: TargetModel, capacity: int, buckets: Sequence[int] = (1,), drafter: Any = None,
                  graphs: bool | None = None, gdn_mixers: bool = True, fused: bool = False,
-                 compile: bool = False, split_attention: bool = True) -> None:
+                 compile: bool = False, split_attention: bool = False) -> None:
         self.tm = tm
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
@@ -137,7 +137,8 @@ class CapturedEngine:
                 raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
             self.fused = fused_blocks.fuse_projections(tm)
             self.blocks = fused_blocks.layer_blocks(compiled=compile)
-        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle
+        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle;
+        # opt-in until its H200 benchmark is recorded in docs/benchmarks.md
         self.split_attention = split_attention
         self.capacity = _align(int(capacity))
         self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
@@ -292,7 +293,7 @@ class CapturedEngine:
             kv[0].index_copy_(1, slots, k[0])
             kv[1].index_copy_(1, slots, v[0])
             if self.split_attention and split_attention.usable(q, self.group * n, tm.num_kv_heads):
-                kv_len = slots[-1:] + 1  # rows ≥ the span's last slot are masked: the kernel stops there
+                kv_len = slots[-1:] + 1  # rows past the span's last slot are masked: the kernel stops there
                 parts = split_attention.split_partials(q, kv[0], kv[1], mask, kv_len, attn.scaling)
                 return blk.split(layer, fl.wgu, h, *parts, gate, n)
             return blk.out(layer, fl.wgu, h, q, kv[0], kv[1], mask, gate, attn.scaling)
