@@ -157,6 +157,27 @@ def test_report_renders_spread_and_both_budgets(tmp_path):
     assert plots.tokens_per_s_by_method(rows, tmp_path / "tps.png").stat().st_size > 1000
 
 
+def test_report_says_why_the_auto_budget_misses_the_oracle():
+    """Below 90% of the oracle's tokens/s the line names the cause it can tell from the rows."""
+    rows = _report_rows()
+    tree = {r["budget"]: r for r in rows if r["method"] == "ddtree"}
+    tree[32].update(tokens_per_s=10.0, tokens_per_s_min=9.5, tokens_per_s_max=10.5, tau=1.4)
+    for b, (tau, ms) in {8: (1.3, 120.0), 16: (1.6, 110.0), 32: (1.4, 130.0)}.items():
+        tree[b].update(tau=tau, round_ms=ms)
+    (choice,) = budget_choices(rows)
+    assert choice["auto_vs_best"] == pytest.approx(10 / 12)
+    line = budget_choice_lines([choice])[0]
+    assert "Below 90%" in line and "on the evaluation prompts picks 16, as the oracle does" in line
+    assert "32: τ 1.60 (1.40), round 140 (130) ms; 16: τ 1.60 (1.60), round 140 (110) ms" in line
+    assert "spreads overlap" not in line
+    tree[32].update(round_ms=60.0, tokens_per_s_max=11.5)  # the rule now picks 32 on the evaluation data as well
+    (choice,) = budget_choices(rows)
+    assert any("picks 32 on the evaluation prompts too" in w for w in choice["why"])
+    assert any("spreads overlap (auto max 11.5 ≥ oracle min 11.0" in w for w in choice["why"])
+    tree[32].update(tokens_per_s=11.0)  # 92%: within the goal, no reasons
+    assert budget_choices(rows)[0]["why"] == [] and "Below" not in budget_choice_lines(budget_choices(rows))[0]
+
+
 def test_stage_rows_and_calibration_split(tmp_path):
     """The stage end to end (tiny target, random drafter): rows carry repeats + spread, auto and best flags;
     calibration responses use prompts after the evaluation ones."""

@@ -18,6 +18,7 @@ COLUMNS: tuple[str, ...] = ROW_KEYS + (
     "auto_budget", "best_budget",
 )  # fmt: skip
 AUTO_NAME = "auto budget (calibrated)"
+AUTO_GOAL = 0.9  # auto tokens/s ÷ oracle tokens/s below this: the report says why
 BEST_NAME = "best budget (oracle, chosen on eval data)"
 
 
@@ -92,10 +93,45 @@ def budget_choices(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         note = next((r["auto_budget_note"] for r in group if r.get("auto_budget_note")), None)
         if auto is None and note is None:
             note = "these rows carry no auto budget (evaluate ran without calibration)"
+        why = miss_reasons(auto, best, group) if ratio is not None and ratio < AUTO_GOAL else []
         out.append({"dataset": dataset, "temperature": temp, "drafter": drafter, "method": method, "auto": auto, "best": best,
-                    "auto_vs_best": ratio, "note": note,
+                    "auto_vs_best": ratio, "note": note, "why": why,
                     "calibration_prompts": max((int(r.get("calibration_prompts") or 0) for r in group), default=0)})
     return out
+
+
+def _seen(r: dict[str, Any]) -> str:
+    """One budget's calibration (evaluation) τ and round cost."""
+    return (f"{r.get('budget')}: τ {fmt(r.get('calibration_tau'))} ({fmt(r.get('tau'))}), round "
+            f"{fmt(r.get('calibration_round_ms'), 0)} ({fmt(r.get('round_ms'), 0)}) ms")
+
+
+def miss_reasons(auto: dict[str, Any], best: dict[str, Any], group: list[dict[str, Any]]) -> list[str]:
+    """Why the auto budget's tokens/s falls short of the oracle's: timing noise (overlapping repeat spreads, or
+    one pass), calibration prompts that mispredict τ (the rule on the evaluation data picks the oracle's
+    budget), or a rule whose cost model misses time outside rounds (it picks the auto budget again)."""
+    why = []
+    repeats = int(auto.get("repeats") or 1)
+    lo, hi = best.get("tokens_per_s_min"), auto.get("tokens_per_s_max")
+    if repeats <= 1:
+        why.append("one timed pass per budget: no spread to tell noise from a real difference")
+    elif lo is not None and hi is not None and _num(hi) >= _num(lo):
+        why.append(f"repeat spreads overlap (auto max {_num(hi):.1f} ≥ oracle min {_num(lo):.1f} tok/s): "
+                   f"not distinguishable at {repeats} repeats")
+    scored = [r for r in group if _num(r.get("round_ms"), 0) > 0 and r.get("tau") is not None]
+    if scored:
+        on_eval = max(scored, key=lambda r: _num(r["tau"]) / _num(r["round_ms"]))
+        if on_eval.get("budget") == best.get("budget"):
+            why.append(f"the τ ÷ round-cost rule on the evaluation prompts picks {best.get('budget')}, as the oracle does; "
+                       f"calibration (evaluation) prompts measured {_seen(auto)}; {_seen(best)} — "
+                       "more calibration prompts or repeats narrow this")
+        elif on_eval.get("budget") == auto.get("budget"):
+            why.append(f"the rule picks {auto.get('budget')} on the evaluation prompts too: time outside the rounds "
+                       "(prefill, first token) or timing noise separates it from the highest-tokens/s budget")
+        else:
+            why.append(f"the rule on the evaluation prompts picks {on_eval.get('budget')}, a third budget: τ and round "
+                       "costs differ between the calibration and evaluation prompts")
+    return why
 
 
 def with_spread(row: dict[str, Any], key: str, digits: int) -> str:

@@ -14,6 +14,7 @@ from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
 from draftforge.report.parity import parity_block
 from draftforge.report.rows import (
+    AUTO_GOAL,
     AUTO_NAME,
     BEST_NAME,
     COLUMNS,
@@ -119,7 +120,8 @@ def budget_choice_lines(choices: list[dict[str, Any]]) -> list[str]:
                          f"round {fmt(auto.get('calibration_round_ms'), 1)} ms = {fmt(auto.get('calibration_tokens_per_s'), 1)} "
                          f"tok/s predicted)")
         ratio = f"; auto = **{100 * c['auto_vs_best']:.0f}%** of the oracle's tokens/s" if c["auto_vs_best"] is not None else ""
-        lines.append(f"- **{c['dataset']}**, {c['drafter']}/`{c['method']}`{temp}: {auto_text}; {best_text}{ratio}")
+        why = f". Below {100 * AUTO_GOAL:.0f}%: " + "; ".join(c["why"]) if c.get("why") else ""
+        lines.append(f"- **{c['dataset']}**, {c['drafter']}/`{c['method']}`{temp}: {auto_text}; {best_text}{ratio}{why}")
     return lines
 
 
