@@ -61,6 +61,31 @@ def test_objective_requires_the_target_distribution_for_tv():
     assert out.accept is not None and torch.all((out.accept >= 0) & (out.accept <= 1))
 
 
+def test_acceptance_weighting_multiplies_each_row_by_its_chance_of_being_reached():
+    """Rows (block, k): weight × Π_{j<k} a_j of the same block, a missing row ending the product; the loss
+    sum equals that formula, and the weights carry no gradient."""
+    from draftforge.train.dspark_loss import reach_weights
+
+    accept = torch.tensor([0.5, 0.4, 0.9, 0.2, 0.7])
+    block = torch.tensor([0, 0, 0, 1, 1])
+    k = torch.tensor([0, 1, 2, 0, 2])  # block 1 lacks k = 1: its k = 2 is not reached
+    assert torch.allclose(reach_weights(accept, block, k, 2, 3), torch.tensor([1.0, 0.5, 0.2, 1.0, 0.0]))
+    h, W, y, ht, _, _ = _case()
+    h = h.float().requires_grad_()
+    rows = torch.arange(7)
+    reach = (rows // 3, rows % 3, 3, 3)
+    plain = objective(h, W.float(), y, torch.ones(7), {"tv": 1.8, "ce": 0.1}, ht=ht.float())
+    out = objective(h, W.float(), y, torch.ones(7), {"tv": 1.8, "ce": 0.1}, ht=ht.float(), reach=reach)
+    w = reach_weights(plain.accept, *reach)
+    per_row = plain.terms[:, 0] * 0.1 + plain.terms[:, 2] * 1.8
+    assert torch.allclose(out.weighted_sum, (w * per_row).sum()) and torch.allclose(out.weight_sum, w.sum())
+    assert not w.requires_grad and w[0] == 1.0 and bool((w[1:3] < 1).all())
+    out.weighted_sum.backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+    with pytest.raises(ValueError, match="acceptance weighting need"):
+        objective(h, W.float(), y, torch.ones(7), {"ce": 1.0}, reach=reach)
+
+
 def test_analytic_tau_and_calibration():
     # two blocks of 3 drafts: τ = 1 + a0 + a0a1 + a0a1a2; the second block lacks its last row
     accept = torch.tensor([0.5, 0.5, 1.0, 1.0, 0.2])

@@ -69,6 +69,19 @@ def test_dflash_can_train_on_the_target_distribution(tiny_target_info, items, tm
     assert "val_analytic_tau" in res.evals[-1] and isinstance(res.model, DFlashDrafter)
 
 
+def test_acceptance_weighted_dflash_loss_decreases(tiny_target_info, items, tmp_path):
+    """drafter.acceptance_weighting on a CE-only DFlash drafter: the objective runs (it reads the target's
+    distribution for the weights) and decreases."""
+    cfg = TrainConfig(max_steps=24, batch_seqs=2, num_anchors=8, lr=3e-3, eval_every=24, ckpt_every=24, log_every=4,
+                      val_max_seqs=2, val_num_anchors=8, init_from_target=False, loss_vocab_chunk=100)
+    inp = make_inputs(tiny_target_info, cfg, items[:6], items[6:], tmp_path)
+    inp.acceptance_weighting = True
+    res = train(inp)
+    losses = [h["loss"] for h in res.history]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
+    assert "val_analytic_tau" in res.evals[-1]
+
+
 def test_warm_start_from_a_dflash_drafter(tiny_target_info, items, tmp_path):
     torch.manual_seed(3)
     dcfg = DFlashConfig.from_target(tiny_target_info, drafter_of())
@@ -93,6 +106,7 @@ def test_needs_last_layer_switch():
     assert not needs_last_layer(cfg("drafters=[dflash]"))
     assert needs_last_layer(cfg("drafters=[dflash,dspark]"))
     assert needs_last_layer(cfg("drafters=[dflash]", "drafter.loss_tv=1.0"))  # DFlash on the target's distribution
+    assert needs_last_layer(cfg("drafters=[dflash]", "drafter.acceptance_weighting=true"))
     assert needs_last_layer(cfg("drafters=[mtp]"))  # a trained MTP head reads the last layer
     assert not needs_last_layer(cfg("drafters=[mtp]", "target.mtp_layers=1"))  # native MTP: nothing to train
     plain = stage_params(cfg("drafters=[dflash]"), "extract")

@@ -64,6 +64,10 @@ class DrafterConfig:
     loss_ce: Optional[float] = None
     loss_kl: Optional[float] = None
     loss_tv: Optional[float] = None
+    # Weight each draft position by the chance the verifier reaches it as well as by exp(−k/γ): the product
+    # of the analytic acceptances 1 − tv of the block's earlier draft positions (detached; needs the target's
+    # distribution, so extract stores its last layer). Positions the drafter already loses count less.
+    acceptance_weighting: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, "drafter.name", f"{self.name!r} must be a plain file name")
@@ -129,8 +133,8 @@ def listed_drafters(cfg: Any, conf_dir: str | Path) -> dict[str, Any]:
 
 def needs_last_layer(cfg: Any, conf_dir: str | Path | None = None) -> bool:
     """Whether extract stores the target's final-normed last layer: a listed DSpark drafter, a trained MTP
-    head (target without MTP layers), or a distribution term (kl / tv) in any listed drafter's objective
-    reads it. `cfg` is the root config."""
+    head (target without MTP layers), a distribution term (kl / tv) or acceptance weighting in any listed
+    drafter's objective reads it. `cfg` is the root config."""
     if conf_dir is None:
         from draftforge.paths import CONF_DIR
 
@@ -138,6 +142,6 @@ def needs_last_layer(cfg: Any, conf_dir: str | Path | None = None) -> bool:
     for d in listed_drafters(cfg, conf_dir).values():
         w = effective_loss_weights(d)
         trained_mtp = d.type == "mtp" and not int(cfg.target.mtp_layers or 0)
-        if d.type == "dspark" or trained_mtp or w.get("kl", 0) > 0 or w.get("tv", 0) > 0:
+        if d.type == "dspark" or trained_mtp or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or d.acceptance_weighting:
             return True
     return False

@@ -8,7 +8,8 @@ Per supervised draft row (a block slot that predicts position p):
     tv = ½ ‖q - p_t‖₁         (total variation; 1 - tv is the analytic acceptance probability of the draft)
 Loss = Σ_rows w_row (λ_ce ce + λ_kl kl + λ_tv tv + λ_conf BCE(conf_logit, 1 - tv)) / Σ_rows w_row, with the
 position weight w = exp(-k/γ) for the k-th draft of a block (k = 0 for the first). The paper's default
-0.9 × L1 + 0.1 × CE is λ_tv = 1.8, λ_ce = 0.1.
+0.9 × L1 + 0.1 × CE is λ_tv = 1.8, λ_ce = 0.1. Acceptance weighting (drafter.acceptance_weighting) also
+multiplies w by Π_{j<k} (1 - tv_j), the analytic chance the verifier reaches draft k (detached).
 
 Memory: the vocabulary is processed in chunks of `chunk` columns, in fp32, by a custom autograd function
 (two passes forward: log-sum-exp of z and t, then the terms; one pass backward recomputing each chunk):
@@ -159,12 +160,27 @@ class DistOutputs:
     hits: torch.Tensor  # (M,) bool
 
 
+def reach_weights(accept: torch.Tensor, block_id: torch.Tensor, draft_index: torch.Tensor, n_blocks: int,
+                  n_draft: int) -> torch.Tensor:
+    """(M,) the chance each row's position is reached: Π_{j<k} a_j over the same block's earlier draft rows
+    (a row absent from the block ends the product: positions after it are not reached)."""
+    grid = torch.zeros(n_blocks, n_draft, device=accept.device, dtype=torch.float32)
+    grid[block_id, draft_index] = accept.float()
+    before = torch.cumprod(torch.cat([torch.ones_like(grid[:, :1]), grid[:, :-1]], dim=1), dim=1)
+    return before[block_id, draft_index]
+
+
 def objective(h, lm_head, y, w_row, weights: dict[str, float], ht=None, e=None, w2=None, conf_logit=None,
-              conf_weight: float = 0.0, chunk: int = 8192) -> DistOutputs:
-    """The weighted block objective over M rows (see the module docstring)."""
+              conf_weight: float = 0.0, chunk: int = 8192,
+              reach: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> DistOutputs:
+    """The weighted block objective over M rows (see the module docstring). `reach` = (block_id, draft_index,
+    n_blocks, n_draft) of each row: the row weights are also multiplied by `reach_weights` (acceptance
+    weighting, detached)."""
     weights = check_weights(weights)
-    if ht is None and (weights.get("kl", 0) > 0 or weights.get("tv", 0) > 0 or (conf_logit is not None and conf_weight > 0)):
-        raise ValueError("kl / tv / confidence terms need the target's last hidden state (extract it for this drafter)")
+    if ht is None and (weights.get("kl", 0) > 0 or weights.get("tv", 0) > 0 or (conf_logit is not None and conf_weight > 0)
+                       or reach is not None):
+        raise ValueError("kl / tv / confidence terms and acceptance weighting need the target's last hidden state "
+                         "(extract it for this drafter)")
     terms, hits = dist_terms(h, lm_head, y, ht, e, w2, chunk)
     lam = torch.tensor([weights.get(t, 0.0) for t in TERMS], device=h.device)
     per_row = (terms * lam).sum(-1)
@@ -176,6 +192,8 @@ def objective(h, lm_head, y, w_row, weights: dict[str, float], ht=None, e=None, 
             per_row = per_row + conf_weight * F.binary_cross_entropy_with_logits(
                 conf_logit.float(), accept.clamp(0.0, 1.0), reduction="none")
     w = w_row.float()
+    if reach is not None:
+        w = w * reach_weights(accept, *reach)
     weighted = (w * per_row).sum() + h.sum() * 0.0
     return DistOutputs(weighted, w.sum().detach(), terms.detach(), accept, conf, hits)
 

@@ -61,6 +61,7 @@ class TrainInputs:
     logger: Any = None  # draftforge.tracking.RunLogger (rank 0) or None
     # Objective term weights (drafter.settings.effective_loss_weights); None → the drafter type's default.
     loss_weights: dict[str, float] | None = None
+    acceptance_weighting: bool = False  # drafter.acceptance_weighting (see make_objective)
     stop: Any = None  # a train.stop.StopRequest: asked once per step whether to stop after it (None: never)
 
 
@@ -161,20 +162,23 @@ class Objective:
     weights: dict[str, float]
     conf_weight: float = 0.0
     chunk: int = 8192
+    acceptance_weighting: bool = False  # position weights × the chance of reaching the position
 
     @property
     def needs_target(self) -> bool:
         """Whether the target's next-token distribution (its last-layer states) is required."""
-        return self.weights.get("kl", 0) > 0 or self.weights.get("tv", 0) > 0 or self.conf_weight > 0
+        return (self.weights.get("kl", 0) > 0 or self.weights.get("tv", 0) > 0 or self.conf_weight > 0
+                or self.acceptance_weighting)
 
 
-def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str, float] | None = None) -> Objective | None:
+def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str, float] | None = None,
+                   acceptance_weighting: bool = False) -> Objective | None:
     """None for plain CE (the DFlash path); else the distribution objective with these term weights."""
     weights = check_weights(dict(loss_weights) if loss_weights else default_loss_weights("dspark" if is_dspark(dcfg) else "dflash"))
-    if not is_dspark(dcfg) and weights == {"ce": 1.0}:
+    if not is_dspark(dcfg) and weights == {"ce": 1.0} and not acceptance_weighting:
         return None
     conf = cfg.confidence_loss_weight if (is_dspark(dcfg) and dcfg.enable_confidence_head) else 0.0
-    return Objective(weights, conf, cfg.loss_vocab_chunk)
+    return Objective(weights, conf, cfg.loss_vocab_chunk, acceptance_weighting)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -203,8 +207,13 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         w2 = raw.markov_head.markov_w2.weight
     if isinstance(raw, DSparkDrafter) and raw.confidence_head is not None:
         conf_logit = raw.confidence_logit(hv, prev)
+    reach = None
+    if obj.acceptance_weighting:  # (block, draft index) of each valid row; a block's first draft slot is index 0
+        idx = flat.nonzero().squeeze(-1)
+        first = convention(raw.cfg)[0]
+        reach = (idx // B, idx % B - first, S * N, B - first)
     out = objective(hv, head.lm_head, y, w_row, obj.weights, ht=ht, e=e, w2=w2, conf_logit=conf_logit,
-                    conf_weight=obj.conf_weight, chunk=obj.chunk)
+                    conf_weight=obj.conf_weight, chunk=obj.chunk, reach=reach)
     correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
     correct[flat] = out.hits
     res = BlockOutputs(out.weighted_sum, out.weight_sum, correct.view(S, N, B), batch.valid)
@@ -235,7 +244,7 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
     src = inp.val_source
     first, _ = convention(dcfg)
     weights = slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device)
-    obj = make_objective(cfg, dcfg, inp.loss_weights)
+    obj = make_objective(cfg, dcfg, inp.loss_weights, inp.acceptance_weighting)
     picked = val_indices(len(src), cfg.val_max_seqs) if src is not None else []
     B = dcfg.block_size
     n_draft = B - first
@@ -466,7 +475,7 @@ def train(inp: TrainInputs) -> TrainResult:
     state = new_state(inp, total)
     first = convention(dcfg)[0]
     sc = StepContext(training_module(state.model, inp), slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device),
-                     make_objective(cfg, dcfg, inp.loss_weights), dtype, first)
+                     make_objective(cfg, dcfg, inp.loss_weights, inp.acceptance_weighting), dtype, first)
 
     def checkpoint() -> None:
         save_checkpoint_rank0(inp.ckpt_dir, state.step, lambda: state.payload(inp), keep=cfg.keep_checkpoints,

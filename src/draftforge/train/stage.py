@@ -117,7 +117,7 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             data_key = {"extract": sha256_file(index_path)}
         from draftforge.train.loop import make_objective
 
-        obj = make_objective(cfg, dcfg, loss_weights)
+        obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
         if obj is not None and obj.needs_target and len(train_src[0]) < 4:
             where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
             raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "
@@ -127,12 +127,14 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
             log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
         head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
         resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
-                                  "drafter": dcfg.to_dict(), "loss_weights": loss_weights, "target": info["fingerprint"], **data_key,
+                                  "drafter": dcfg.to_dict(), "loss_weights": loss_weights,
+                                  **({"acceptance_weighting": True} if shape.acceptance_weighting else {}),
+                                  "target": info["fingerprint"], **data_key,
                                   "global_batch": global_batch(cfg, ctx.world_size)})
         inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
                              ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
                              rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
-                             loss_weights=loss_weights)
+                             loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting))
         run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
                       "global_batch": global_batch(cfg, ctx.world_size), "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
                       "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
