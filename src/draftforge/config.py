@@ -122,6 +122,11 @@ def to_plain(node: Any) -> Any:
 # a drafter that does not must not rerun extract).
 DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
 
+# Options added after results were produced with the code before them: left out of a stage's params while
+# at their default (= the behaviour before the option existed), so upgrading never reruns finished stages
+# whose computation the option does not change. Setting one to another value changes the params as usual.
+ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False}
+
 
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The resolved plain dict a stage computes with: what Snakemake tracks in `params`."""
@@ -134,6 +139,13 @@ def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
         for part in parents:
             node, into = node[part], into.setdefault(part, {})
         into[leaf] = to_plain(node[leaf])
+    for key, default in ADDED_OPTIONS.items():
+        *parents, leaf = key.split(".")
+        into = view
+        for part in parents:
+            into = into.get(part) if isinstance(into, dict) else None
+        if isinstance(into, dict) and leaf in into and into[leaf] == default:
+            del into[leaf]
     return view
 
 

@@ -91,6 +91,19 @@ def test_stage_params_hold_only_what_the_stage_reads() -> None:
     assert "budgets" not in params["evaluate"]
 
 
+def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
+    """A new option at its default is the old behaviour: it must not change params (Snakemake would rerun
+    every finished stage on upgrade); set to anything else it does."""
+    from draftforge.config import ADDED_OPTIONS, compose, stage_params
+
+    for key in ADDED_OPTIONS:
+        section, leaf = key.split(".")
+        plain = stage_params(compose("smoke", ["target=tiny-random"]), "train")
+        assert leaf not in plain[section], key
+        changed = stage_params(compose("smoke", ["target=tiny-random", f"{key}=true"]), "train")
+        assert changed[section][leaf] is True and changed != plain
+
+
 def test_default_taps_match_published_drafters() -> None:  # reference rule: tests/unit/test_train_recipe.py
     assert default_tap_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_tap_ids(64, 5) == [1, 16, 31, 46, 61]
