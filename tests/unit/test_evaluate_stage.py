@@ -77,3 +77,22 @@ def test_mtp_method_trained_head_and_missing_head(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["ar", "mtp"] and mtp[0]["mtp_source"] == "trained"
     assert {r["drafter"] for r in rows} == {"mtp"}
     assert mtp[0]["lossless_mismatches"] == 0 and mtp[0]["tau"] >= 1.0
+
+
+def test_finished_dataset_records_are_reused_only_when_whole_and_keyed(tmp_path):
+    """A torn, foreign or differently keyed record is ignored (the dataset is measured again), never trusted."""
+    from types import SimpleNamespace
+
+    from draftforge.evaluate.resume import clear_finished, load_finished, save_finished
+
+    ctx = SimpleNamespace(work_dir=tmp_path)
+    payload = {"dataset": "chitchat", "rows": [{"method": "ar"}], "responses": []}
+    save_finished(ctx, "chitchat", "k1", payload)
+    assert load_finished(ctx, "chitchat", "k1") == payload
+    assert load_finished(ctx, "chitchat", "k2") is None and load_finished(ctx, "gsm_symbolic", "k1") is None
+    path = tmp_path / "finished" / "chitchat.json"
+    for text in ('{"key": "k1", "payl', "[1, 2]", '{"key": "k1", "payload": {"rows": 3}}'):
+        path.write_text(text)
+        assert load_finished(ctx, "chitchat", "k1") is None, text
+    clear_finished(ctx)
+    assert not (tmp_path / "finished").exists()

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from draftforge.errors import StageError
 from draftforge.io import read_json, sha256_file, sha256_json, write_json
 from draftforge.provenance import git_state
 
@@ -45,12 +46,13 @@ def load_finished(ctx, dataset: str, key: str) -> dict[str, Any] | None:
         return None
     try:
         record = read_json(path, "finished-dataset record")
-    except Exception as exc:  # noqa: BLE001  (a torn or foreign file: measure again)
-        log.warning("%s: ignored (%s); evaluating %s again", path, exc, dataset)
+    except StageError as exc:  # a torn or foreign file: measure again
+        log.warning("%s; evaluating %s again", exc, dataset)
         return None
-    if not isinstance(record, dict) or record.get("key") != key or not isinstance(record.get("payload"), dict):
+    if not isinstance(record, dict) or record.get("key") != key:
         return None
-    return record["payload"]
+    payload = record.get("payload")
+    return payload if isinstance(payload, dict) and isinstance(payload.get("rows"), list) else None
 
 
 def save_finished(ctx, dataset: str, key: str, payload: dict[str, Any]) -> None:
