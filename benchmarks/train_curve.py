@@ -7,8 +7,10 @@ fp32 forward, features kept in bf16 as the extract stage stores them) and the tr
 curate output of `experiment=default`, for a list of settings, and prints one table of val curves.
 
 A setting is `key=value,...` over: steps, batch (sequences per step), anchors, lr, frac (fraction of
-the train split used), init (cold|target), warmup (ratio), eval (every N steps). Defaults are the
-default experiment's CPU settings (120 steps, 4 x 32 anchors, lr 3e-3, cold).
+the train split used), init (cold|target), warmup (ratio), eval (every N steps), and the objective:
+ce, tv (loss term weights; tv > 0 is the distribution objective of docs/architecture.md) and aw (1 =
+acceptance weighting). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
+lr 3e-3, cold, plain CE). The target's last-layer states are captured when any setting needs them.
 
     python benchmarks/train_curve.py --curate results/default/curate --target-json results/default/target/target.json \
         --gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf  "steps=120" "steps=3000,batch=16,anchors=64"
@@ -49,6 +51,9 @@ BASE = {
     "init": "cold",
     "warmup": 0.04,
     "eval": 40,
+    "ce": 1.0,
+    "tv": 0.0,
+    "aw": 0,
 }
 
 
@@ -63,7 +68,21 @@ def parse_setting(text: str) -> dict[str, Any]:
         out[key] = type(BASE[key])(value)
     if out["init"] not in ("cold", "target"):
         raise SystemExit(f"setting {text!r}: init must be cold or target")
+    if out["aw"] not in (0, 1) or out["ce"] < 0 or out["tv"] < 0 or out["ce"] + out["tv"] <= 0:
+        raise SystemExit(f"setting {text!r}: aw must be 0 or 1, ce and tv >= 0 with a positive sum")
     return out
+
+
+def needs_last(s: dict[str, Any]) -> bool:
+    """Whether the setting's objective reads the target's next-token distribution."""
+    return s["tv"] > 0 or bool(s["aw"])
+
+
+def loss_weights(s: dict[str, Any]) -> dict[str, float] | None:
+    """The objective's term weights (None = plain CE, the stage's DFlash default)."""
+    if s["tv"] == 0 and s["ce"] == 1.0:
+        return None
+    return {k: float(s[k]) for k in ("ce", "tv") if s[k] > 0}
 
 
 def read_split(curate_dir: Path, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,9 +98,9 @@ def read_split(curate_dir: Path, split: str) -> list[tuple[torch.Tensor, torch.T
 
 
 def capture_features(
-    hf_dir: Path, layer_ids: list[int], rows, device: torch.device
+    hf_dir: Path, layer_ids: list[int], rows, device: torch.device, with_last: bool = False
 ) -> list[tuple]:
-    """Per row (ids, mask, hidden (T, n_taps·H) bf16 on the host): one fp32 forward per sequence."""
+    """Per row (ids, mask, hidden (T, n_taps·H)[, last (T, H)]) bf16 on the host: one fp32 forward each."""
     from transformers import AutoModelForCausalLM
 
     model = (
@@ -91,12 +110,13 @@ def capture_features(
         .to(device)
         .eval()
     )
-    cap = TapCapture(model, layer_ids)
+    cap = TapCapture(model, layer_ids, capture_last=with_last)
     out = []
     for ids, mask in rows:
         x = ids[None].to(device)
         hidden = cap.run(x, torch.ones_like(x))  # (T, n_taps·H)
-        out.append((ids, mask, hidden.to(torch.bfloat16).cpu()))
+        item = (ids, mask, hidden.to(torch.bfloat16).cpu())
+        out.append(item + (cap.last_out.to(torch.bfloat16).cpu(),) if with_last else item)
     del model
     return out
 
@@ -118,7 +138,8 @@ def run_setting(
     with tempfile.TemporaryDirectory() as ckpt:
         inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=InMemorySource(train_items[:n_train]),
                           val_source=InMemorySource(val_items), head=head, ckpt_dir=Path(ckpt),
-                          resume_key=json.dumps(s, sort_keys=True), device=device, target_hf_path=str(hf_dir))  # fmt: skip
+                          resume_key=json.dumps(s, sort_keys=True), device=device, target_hf_path=str(hf_dir),
+                          loss_weights=loss_weights(s), acceptance_weighting=bool(s["aw"]))  # fmt: skip
         t0 = time.perf_counter()
         result = train(inp)
         wall = time.perf_counter() - t0
@@ -198,10 +219,11 @@ def main() -> None:
     if args.max_train:
         train_rows = train_rows[: args.max_train]
     layer_ids = list(info["drafter"]["target_layer_ids"])
-    train_items = capture_features(hf_dir, layer_ids, train_rows, device)
-    val_items = capture_features(hf_dir, layer_ids, val_rows, device)
+    with_last = any(needs_last(s) for s in settings)
+    train_items = capture_features(hf_dir, layer_ids, train_rows, device, with_last)
+    val_items = capture_features(hf_dir, layer_ids, val_rows, device, with_last)
     extract_s = time.perf_counter() - t0
-    n_tok = sum(int(i.numel()) for i, _, _ in train_items)
+    n_tok = sum(int(item[0].numel()) for item in train_items)
     print(
         f"features: {len(train_items)} train / {len(val_items)} val seqs, {n_tok} train tokens, {extract_s:.1f} s"
     )
@@ -235,12 +257,13 @@ def main() -> None:
             "train_curve", record
         )  # after every setting: a killed run keeps what finished
     print(
-        f"\n{'steps':>6} {'batch':>5} {'anch':>5} {'lr':>7} {'frac':>5} {'init':>6} {'epochs':>6} {'trainL':>7} {'valL':>6} {'acc1':>6} {'acc2':>6} {'acc':>6} {'τ_sim':>6}"
+        f"\n{'steps':>6} {'batch':>5} {'anch':>5} {'lr':>7} {'frac':>5} {'init':>6} {'ce':>4} {'tv':>4} {'aw':>2} {'epochs':>6} {'trainL':>7} {'valL':>6} {'acc1':>6} {'acc2':>6} {'acc':>6} {'τ_sim':>6}"
     )
     for r in results:
         s, b = r["setting"], r["best"] or {}
         print(
-            f"{s['steps']:>6} {s['batch']:>5} {s['anchors']:>5} {s['lr']:>7.0e} {s['frac']:>5.2f} {s['init']:>6} {r['epochs']:>6.1f} "
+            f"{s['steps']:>6} {s['batch']:>5} {s['anchors']:>5} {s['lr']:>7.0e} {s['frac']:>5.2f} {s['init']:>6} "
+            f"{s['ce']:>4.1f} {s['tv']:>4.1f} {s['aw']:>2} {r['epochs']:>6.1f} "
             f"{r['final_train_loss']:>7.3f} {b.get('val_loss', float('nan')):>6.3f} {b.get('val_acc_slot_1', float('nan')):>6.3f} "
             f"{b.get('val_acc_slot_2', float('nan')):>6.3f} {b.get('val_acc', float('nan')):>6.3f} {b.get('val_sim_tau', float('nan')):>6.3f}"
         )

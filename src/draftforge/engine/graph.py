@@ -113,7 +113,7 @@ class CapturedEngine:
 
     def __init__(self, tm: TargetModel, capacity: int, buckets: Sequence[int] = (1,), drafter: Any = None,
                  graphs: bool | None = None, gdn_mixers: bool = True, fused: bool = False,
-                 compile: bool = False, split_attention: bool = False) -> None:
+                 compile: bool = False, split_attention: bool = True) -> None:
         self.tm = tm
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         if not self.buckets or self.buckets[0] < 1:
@@ -130,8 +130,9 @@ class CapturedEngine:
                 raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
             self.fused = fused_blocks.fuse_projections(tm)
             self.blocks = fused_blocks.layer_blocks(compiled=compile)
-        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle;
-        # opt-in until its H200 benchmark is recorded in docs/benchmarks.md
+        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle
+        # (split_attention.usable decides per step); faster or equal at every verify size measured on an
+        # H200 (docs/benchmarks.md, "Split-KV attention"), so on by default
         self.split_attention = split_attention
         self.capacity = align(int(capacity))
         self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
