@@ -84,15 +84,18 @@ def test_captured_size_errors() -> None:
     assert generate(tm, None, p, 8, engine=eng).tokens == generate(tm, None, p, 8).tokens  # still usable
 
 
+@pytest.mark.parametrize("heads", [(32, 8, 128), (24, 4, 256)], ids=["qwen3-8b", "qwen3.6-27b"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype) -> None:
-    """The split-KV kernel against the folded SDPA at a Qwen3-8B head shape: AR step, chain, tree spans."""
+def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
+    """The split-KV kernel against the folded SDPA at real head shapes (the 256-wide head needs smaller
+    tiles to fit shared memory): AR step, chain, tree spans."""
     from draftforge.engine.split_attention import combine_splits, split_partials, usable
     from draftforge.engine.target import attend_folded
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    hq, hkv, hd, cap = 32, 8, 128, 2048
-    for n, kv_len in ((1, 700), (16, 1500), (65, 2048)):
+    hq, hkv, hd = heads
+    cap = 2048
+    for n, kv_len in ((1, 700), (16, 1500), (17, 1600), (65, 2048)):
         q = torch.randn(1, hq, n, hd, device="cuda", dtype=dtype, generator=g)
         k, v = (torch.randn(hkv, cap, hd, device="cuda", dtype=dtype, generator=g) for _ in range(2))
         past = kv_len - n
@@ -101,7 +104,7 @@ def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype) -> None:
         vis[:, past:kv_len] = torch.tril(torch.rand(n, n, device="cuda", generator=g) < 0.5) | torch.eye(
             n, dtype=torch.bool, device="cuda")
         mask = torch.zeros((), device="cuda", dtype=dtype).masked_fill(~vis, float("-inf")).repeat(hq // hkv, 1)
-        assert usable(q, (hq // hkv) * n, hkv)
+        assert usable(q, (hq // hkv) * n, hkv)  # each span here is one the engine sends to the split kernel
         ref = attend_folded(q, k[None], v[None], mask[None, None], hd**-0.5).float()
         kv = torch.tensor([kv_len], device="cuda")
         out = combine_splits(*split_partials(q, k, v, mask[None, None], kv, hd**-0.5), n, dtype).float()

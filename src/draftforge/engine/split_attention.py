@@ -29,8 +29,12 @@ try:
 except ImportError:  # CPU-only installs: the captured engine keeps SDPA
     triton = None
 
-BLOCK_N = 64  # cache rows per inner tile
 TARGET_PROGRAMS = 256  # ≈ 2 programs per SM on an H100/H200
+# Tile sizes follow the head dim so one program's shared memory (a q tile, K and V tiles per pipeline
+# stage) stays under Hopper's 227 KiB: head dim ≤ 128 takes 64 cache rows per inner tile and 3 stages,
+# larger heads (Qwen3.5/3.6: 256) 32 rows, query tiles ≤ 32 rows and 2 stages (64 × 256 with 3 stages
+# asked for 232 KiB on an H200).
+WIDE_HEAD = 128
 
 
 def usable(q: torch.Tensor, group_rows: int, n_kv: int) -> bool:
@@ -39,22 +43,34 @@ def usable(q: torch.Tensor, group_rows: int, n_kv: int) -> bool:
     if triton is None or q.device.type != "cuda":
         return False
     hd = q.shape[-1]
-    return hd >= 16 and hd & (hd - 1) == 0 and n_kv * _tiles(group_rows) < 64
+    return 16 <= hd <= 256 and hd & (hd - 1) == 0 and n_kv * _tiles(group_rows, hd) < 64
 
 
-def _block_m(group_rows: int) -> int:
-    return 16 if group_rows <= 16 else (32 if group_rows <= 32 else 64)
+def _block_m(group_rows: int, head_dim: int) -> int:
+    """Query rows per program."""
+    cap = 64 if head_dim <= WIDE_HEAD else 32
+    return min(cap, 16 if group_rows <= 16 else (32 if group_rows <= 32 else 64))
 
 
-def _tiles(group_rows: int) -> int:
-    return math.ceil(group_rows / _block_m(group_rows))
+def _block_n(head_dim: int) -> int:
+    """Cache rows per inner tile."""
+    return 64 if head_dim <= WIDE_HEAD else 32
 
 
-def plan(capacity: int, n_kv: int, group_rows: int) -> tuple[int, int]:
-    """(splits, chunk): chunk a multiple of BLOCK_N, splits · chunk ≥ capacity, ≈ TARGET_PROGRAMS programs."""
-    per_split = n_kv * _tiles(group_rows)
-    splits = max(1, min(math.ceil(capacity / BLOCK_N), TARGET_PROGRAMS // per_split))
-    chunk = math.ceil(math.ceil(capacity / splits) / BLOCK_N) * BLOCK_N
+def _stages(head_dim: int) -> int:
+    return 3 if head_dim <= WIDE_HEAD else 2
+
+
+def _tiles(group_rows: int, head_dim: int) -> int:
+    return math.ceil(group_rows / _block_m(group_rows, head_dim))
+
+
+def plan(capacity: int, n_kv: int, group_rows: int, head_dim: int) -> tuple[int, int]:
+    """(splits, chunk): chunk a multiple of the inner tile, splits · chunk ≥ capacity, ≈ TARGET_PROGRAMS programs."""
+    per_split = n_kv * _tiles(group_rows, head_dim)
+    bn = _block_n(head_dim)
+    splits = max(1, min(math.ceil(capacity / bn), TARGET_PROGRAMS // per_split))
+    chunk = math.ceil(math.ceil(capacity / splits) / bn) * bn
     return math.ceil(capacity / chunk), chunk
 
 
@@ -106,8 +122,8 @@ def split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if qf.stride(-1) != 1:
         qf = qf.contiguous()
     m2 = mask.reshape(G, cap)
-    splits, chunk = plan(cap, hkv, G)
-    bm = _block_m(G)
+    splits, chunk = plan(cap, hkv, G, hd)
+    bm = _block_m(G, hd)
     acc = torch.empty(hkv, splits, G, hd, device=q.device, dtype=torch.float32)
     mx = torch.empty(hkv, splits, G, device=q.device, dtype=torch.float32)
     sm = torch.empty_like(mx)
@@ -117,7 +133,7 @@ def split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                            qf.stride(0), qf.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                            v_cache.stride(1), m2.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
                            mx.stride(0), mx.stride(1), G, chunk, scale,
-                           BLOCK_M=bm, BLOCK_N=BLOCK_N, D=hd, PRECISION=precision)
+                           BLOCK_M=bm, BLOCK_N=_block_n(hd), D=hd, PRECISION=precision, num_stages=_stages(hd))
     return acc, mx, sm
 
 
