@@ -109,3 +109,16 @@ def test_default_taps_match_published_drafters() -> None:  # reference rule: tes
     assert default_tap_ids(64, 5) == [1, 16, 31, 46, 61]
     with pytest.raises(ValueError):
         default_tap_ids(3, 2)
+
+
+@pytest.mark.parametrize("drafter", sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml")))
+def test_every_drafter_file_composes_as_a_branch(drafter: str) -> None:
+    """Each conf/drafter file names itself, composes as a branch and, listed, decides the extract features."""
+    from draftforge.drafter.settings import needs_last_layer
+
+    cfg = compose("default", [f"drafters=[{drafter}]", f"drafter={drafter}"])
+    assert cfg.drafter.name == drafter
+    if cfg.drafter.type != "mtp":  # an MTP head reads the last layer when it is trained (target-dependent)
+        reads_target = (cfg.drafter.type == "dspark" or bool(cfg.drafter.acceptance_weighting)
+                        or (cfg.drafter.loss_tv or 0) > 0 or (cfg.drafter.loss_kl or 0) > 0)
+        assert needs_last_layer(cfg) == reads_target
