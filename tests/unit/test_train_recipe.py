@@ -64,3 +64,21 @@ def test_tap_ids_equal_the_reference_rule(path):
     assert default_tap_ids(L, n) == ref
     if ids:
         assert list(ids) == ref, f"{path.name}: target_layer_ids {ids} != reference {ref}"
+
+
+def test_compute_dtype_auto_follows_the_cpu_and_a_bad_name_is_named(monkeypatch) -> None:
+    """auto = bf16 autocast only where the CPU multiplies bf16 natively (emulated bf16 is ~10x slower)."""
+    import torch
+
+    from draftforge.errors import StageError
+    from draftforge.train import loop
+    from draftforge.train.config import TrainConfig
+
+    cpu = torch.device("cpu")
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loop, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert loop.compute_dtype(TrainConfig(compute_dtype="auto"), cpu) == want
+        assert loop.compute_dtype(TrainConfig(compute_dtype=""), cpu) == want
+    assert loop.compute_dtype(TrainConfig(compute_dtype="bfloat16"), cpu) == torch.bfloat16  # explicit: honoured
+    with pytest.raises(StageError, match=r"train.compute_dtype='bf16'"):
+        loop.compute_dtype(TrainConfig(compute_dtype="bf16"), cpu)

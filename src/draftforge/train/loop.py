@@ -103,10 +103,27 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
     return fn
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's AVX512/AMX bf16 paths). Without them torch
+    emulates bf16 matmuls ~10x slower than fp32 (AVX2 EPYC: 4 vs 38 GFLOP/s per core, docs/benchmarks.md)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.compute_dtype:
-        return getattr(torch, cfg.compute_dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """train.compute_dtype: "" / "auto" = bf16 autocast on CUDA and on CPUs with native bf16, else fp32."""
+    if cfg.compute_dtype in ("", "auto"):
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
+    from draftforge.runtime import dtype_named
+
+    dtype = dtype_named("train.compute_dtype", cfg.compute_dtype)
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
+        log.warning("train.compute_dtype=bfloat16: this CPU has no native bf16 matmul, so each step runs ~10x "
+                    "slower than float32; set train.compute_dtype=auto (or float32)")
+    return dtype
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):

@@ -136,7 +136,8 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
                              rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
                              loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting))
         run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
-                      "global_batch": global_batch(cfg, ctx.world_size), "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
+                      "global_batch": global_batch(cfg, ctx.world_size), "compute_dtype_used": str(dtype).removeprefix("torch."),
+                      "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
                       "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
         with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}", params=run_params) as run:
             inputs.logger = run
