@@ -25,18 +25,21 @@ def test_chunked_terms_equal_dense_reference_fp64(chunk):
     assert torch.allclose(dist_terms(h, W, y, chunk=chunk)[0][:, 0].double(), dense_terms(h, W, y)[:, 0], atol=1e-6)
 
 
-def test_chunked_gradients_equal_dense_autograd():
+@pytest.mark.parametrize("chunk", [6, 1000], ids=["chunked", "whole"])
+def test_chunked_gradients_equal_dense_autograd(chunk):
+    """Both paths: chunks recomputed in the backward, and one chunk whose q, p_t are kept."""
     h, W, y, ht, e, w2 = _case(seed=1)
     coef = torch.tensor([0.3, 0.5, 1.7], dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (h, e, w2)]
-    (dist_terms(leaves[0], W, y, ht, leaves[1], leaves[2], chunk=6)[0].double() * coef).sum().backward()
+    (dist_terms(leaves[0], W, y, ht, leaves[1], leaves[2], chunk=chunk)[0].double() * coef).sum().backward()
     ref = [t.clone().requires_grad_() for t in (h, e, w2)]
     (dense_terms(ref[0], W, y, ht, ref[1], ref[2]) * coef).sum().backward()
     for a, b in zip(leaves, ref):
         assert torch.allclose(a.grad.double(), b.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_backward_under_autocast_recomputes_the_forward_logits():
+@pytest.mark.parametrize("chunk", [8, 1000], ids=["chunked", "whole"])
+def test_backward_under_autocast_recomputes_the_forward_logits(chunk):
     """Training runs the forward under bf16 autocast and the backward outside it: fp32 drafter states,
     a bf16 LM head. The backward must recompute the forward's (bf16-product) logits, not fail on dtypes."""
     h, W, y, ht, e, w2 = (t.float() if t.is_floating_point() else t for t in _case(seed=2, V=41))
@@ -44,12 +47,22 @@ def test_backward_under_autocast_recomputes_the_forward_logits():
     coef = torch.tensor([0.3, 0.5, 1.7])
     leaves = [t.clone().requires_grad_() for t in (h, e, w2)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        terms, _ = dist_terms(leaves[0], W16, y, ht, leaves[1], leaves[2], chunk=8)
+        terms, _ = dist_terms(leaves[0], W16, y, ht, leaves[1], leaves[2], chunk=chunk)
     (terms.float() * coef).sum().backward()
     ref = [t.to(torch.bfloat16).double().requires_grad_() for t in (h, e, w2)]  # the products' inputs, rounded
     (dense_terms(ref[0], W16.double(), y, ht.to(torch.bfloat16).double(), ref[1], ref[2]) * coef.double()).sum().backward()
     for a, b in zip(leaves, ref):
         assert a.grad.dtype == torch.float32 and torch.allclose(a.grad.double(), b.grad, atol=3e-2, rtol=3e-2)
+
+
+def test_the_whole_vocabulary_is_one_chunk_only_when_its_probabilities_fit():
+    from draftforge.train.dspark_loss import WHOLE_VOCAB_BYTES, effective_chunk
+
+    assert effective_chunk(512, 49152, True, 8192) == 49152  # the CPU default world: 200 MB kept
+    assert effective_chunk(16384, 151936, True, 8192) == 8192  # a GPU batch: 20 GB would be kept
+    rows = WHOLE_VOCAB_BYTES // (4 * 1000)
+    assert effective_chunk(rows, 1000, False, 64) == 1000 and effective_chunk(rows + 1, 1000, False, 64) == 64
+    assert effective_chunk(rows, 1000, True, 64) == 64  # q and p_t: twice the bytes
 
 
 def test_objective_requires_the_target_distribution_for_tv():

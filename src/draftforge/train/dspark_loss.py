@@ -13,7 +13,10 @@ multiplies w by Π_{j<k} (1 - tv_j), the analytic chance the verifier reaches dr
 
 Memory: the vocabulary is processed in chunks of `chunk` columns, in fp32, by a custom autograd function
 (two passes forward: log-sum-exp of z and t, then the terms; one pass backward recomputing each chunk):
-nothing of size rows × V is ever materialised beyond one rows × chunk block. The gradient w.r.t. z_j is
+nothing of size rows × V is ever materialised beyond one rows × chunk block. When one chunk covers the
+vocabulary (`objective` picks that whenever the rows × V fp32 probabilities fit WHOLE_VOCAB_BYTES: a CPU
+batch of 512 rows × 49,152 is 200 MB) the logits are computed once and q, p_t kept for the backward —
+~1.8× fewer LM-head products than recomputing, the same values up to summation order. The gradient w.r.t. z_j is
     g_ce (q_j - 1[j=y]) + g_kl (q_j - p_j) + g_tv · ½ q_j (s_j - Σ_v q_v s_v),   s = sign(q - p_t).
 """
 
@@ -28,6 +31,12 @@ TERMS = ("ce", "kl", "tv")
 DFLASH_WEIGHTS = {"ce": 1.0}
 DSPARK_WEIGHTS = {"tv": 1.8, "ce": 0.1}  # = 0.9 × L1 + 0.1 × CE
 N_CAL_BINS = 10
+WHOLE_VOCAB_BYTES = 512 << 20  # q (and p_t) kept for the backward up to this size; larger → chunked recompute
+
+
+def effective_chunk(rows: int, vocab: int, with_target: bool, chunk: int) -> int:
+    """The vocabulary chunk `objective` uses: the whole vocabulary when its kept probabilities fit."""
+    return vocab if rows * vocab * 4 * (2 if with_target else 1) <= WHOLE_VOCAB_BYTES else chunk
 
 
 def check_weights(weights: dict[str, float]) -> dict[str, float]:
@@ -65,6 +74,9 @@ class ChunkedDistLoss(torch.autograd.Function):
         M, V = h.shape[0], lm_head.shape[0]
         dev, dt = h.device, _matmul_dtype(h, lm_head)
         has_t = ht is not None
+        ctx.whole = chunk >= V
+        if ctx.whole:
+            return _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt)
         lse_z = torch.full((M,), float("-inf"), device=dev)
         lse_t = torch.full((M,), float("-inf"), device=dev)
         best = torch.full((M,), float("-inf"), device=dev)
@@ -102,6 +114,8 @@ class ChunkedDistLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_terms, _g_hits):
+        if ctx.whole:
+            return _backward_whole(ctx, g_terms)
         h, e, w2, lm_head, ht, y, lse_z, lse_t, qs = ctx.saved_tensors
         V, dt = lm_head.shape[0], ctx.dt
         g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
@@ -128,6 +142,48 @@ class ChunkedDistLoss(torch.autograd.Function):
                 gw2[lo:hi] += gz.t() @ e.float()
         cast = lambda g, ref: None if g is None else g.to(ref.dtype)  # noqa: E731
         return cast(gh, h), cast(ge, e), cast(gw2, w2), None, None, None, None
+
+
+def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt):
+    """ChunkedDistLoss.forward with one chunk: logits once, q (and p_t) saved for the backward."""
+    V = lm_head.shape[0]
+    z = _chunk_logits(h, e, w2, lm_head, 0, V, dt)  # (M, V) fp32
+    lse_z = torch.logsumexp(z, -1)
+    best, arg = z.max(-1)
+    ce = lse_z - z.gather(1, y[:, None]).squeeze(1)
+    q = (z - lse_z[:, None]).exp()
+    if ht is not None:
+        logp = torch.log_softmax(_target_logits(ht, lm_head, 0, V, dt), -1)
+        logq = z - lse_z[:, None]
+        del z
+        p = logp.exp()
+        kl = (p * (logp - logq)).sum(-1)
+        sign = torch.sign(q - p)
+        l1 = (q - p).abs().sum(-1)
+        qs = (q * sign).sum(-1)
+    else:
+        p = qs = None
+        kl = l1 = torch.zeros_like(ce)
+    ctx.save_for_backward(h, e, w2, lm_head, y, q, p, qs)
+    hits = arg == y
+    ctx.mark_non_differentiable(hits)
+    return torch.stack([ce, kl, 0.5 * l1], dim=-1), hits
+
+
+def _backward_whole(ctx, g_terms):
+    h, e, w2, lm_head, y, q, p, qs = ctx.saved_tensors
+    g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
+    gz = g_ce[:, None] * q  # (M, V) fp32
+    rows = torch.arange(h.shape[0], device=h.device)
+    gz[rows, y] -= g_ce
+    if p is not None:
+        gz += g_kl[:, None] * (q - p)
+        gz += (0.5 * g_tv)[:, None] * q * (torch.sign(q - p) - qs[:, None])
+    need_h, need_e, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    gh = (gz @ lm_head.float()).to(h.dtype) if need_h else None
+    ge = (gz @ w2.float()).to(e.dtype) if (need_e and e is not None) else None
+    gw2 = (gz.t() @ e.float()).to(w2.dtype) if (need_w2 and w2 is not None) else None
+    return gh, ge, gw2, None, None, None, None
 
 
 def dist_terms(h, lm_head, y, ht=None, e=None, w2=None, chunk: int = 8192):
@@ -181,7 +237,7 @@ def objective(h, lm_head, y, w_row, weights: dict[str, float], ht=None, e=None, 
                        or reach is not None):
         raise ValueError("kl / tv / confidence terms and acceptance weighting need the target's last hidden state "
                          "(extract it for this drafter)")
-    terms, hits = dist_terms(h, lm_head, y, ht, e, w2, chunk)
+    terms, hits = dist_terms(h, lm_head, y, ht, e, w2, effective_chunk(h.shape[0], lm_head.shape[0], ht is not None, chunk))
     lam = torch.tensor([weights.get(t, 0.0) for t in TERMS], device=h.device)
     per_row = (terms * lam).sum(-1)
     accept = (1.0 - terms[:, 2]).detach() if ht is not None else None
