@@ -27,6 +27,8 @@ def test_vs_mtp_and_names(tmp_path):
     assert "vs MTP (draftforge: mtp (trained))" in text and "2.00×" in text and "1.60×" in text
     assert "mtp (trained)" in markdown_table(rows)
     assert "no MTP rows" in vs_mtp_lines(vs_mtp(rows[:3]))[0]
+    mtp_only = [rows[0], rows[3]]  # an mtp-only experiment: MTP rows, nothing to compare them with
+    assert "no DDTree rows" in vs_mtp_lines(vs_mtp(mtp_only), has_mtp_rows=True)[0]
     parity = {"tolerance": 0.05, "datasets": {"humaneval": {"vllm_tau": 2.0, "standalone_tau": 2.02, "rel_diff": 0.0099,
                                                             "within_tolerance": True}}}  # fmt: skip
     assert "within 5%" in parity_text(parity)[0]

@@ -125,9 +125,11 @@ def budget_choice_lines(choices: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def vs_mtp_lines(table: dict[str, dict[str, Any]]) -> list[str]:
+def vs_mtp_lines(table: dict[str, dict[str, Any]], has_mtp_rows: bool = False) -> list[str]:
     """The "vs MTP" table: best-budget DDTree tokens/s ÷ MTP tokens/s, per dataset, in each engine."""
     engines = sorted({e for v in table.values() for e in v["mtp"]})
+    if not table and has_mtp_rows:
+        return ["- (no DDTree rows to compare: list a dflash or dspark drafter in `drafters`, with ddtree in evaluate.methods)"]
     if not engines:
         return ["- (no MTP rows: mtp is not in `drafters`, or not in evaluate.methods)"]
     head = ["dataset", "best tree (drafter/method@budget)", "tok/s"] + [f"vs MTP ({e}: {_mtp_name(table, e)})" for e in engines]
@@ -211,7 +213,7 @@ def build_report(ctx) -> dict[str, Any]:
         "",
         "## DDTree vs MTP (best tree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
         "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
-        *vs_mtp_lines(mtp_table),
+        *vs_mtp_lines(mtp_table, any(r["method"] == "mtp" and r.get("status", "ok") == "ok" for r in rows)),
         "",
         "## Train/serve parity (each branch's chain: vLLM τ vs standalone τ, T = 0)",
         *(parity_lines or ["- (no drafter branches)"]),
