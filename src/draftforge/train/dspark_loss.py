@@ -149,18 +149,17 @@ def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt):
     V = lm_head.shape[0]
     z = _chunk_logits(h, e, w2, lm_head, 0, V, dt)  # (M, V) fp32
     lse_z = torch.logsumexp(z, -1)
-    best, arg = z.max(-1)
+    arg = z.max(-1).indices
     ce = lse_z - z.gather(1, y[:, None]).squeeze(1)
-    q = (z - lse_z[:, None]).exp()
+    logq = z - lse_z[:, None]
+    del z
+    q = logq.exp()
     if ht is not None:
         logp = torch.log_softmax(_target_logits(ht, lm_head, 0, V, dt), -1)
-        logq = z - lse_z[:, None]
-        del z
         p = logp.exp()
         kl = (p * (logp - logq)).sum(-1)
-        sign = torch.sign(q - p)
         l1 = (q - p).abs().sum(-1)
-        qs = (q * sign).sum(-1)
+        qs = (q * torch.sign(q - p)).sum(-1)
     else:
         p = qs = None
         kl = l1 = torch.zeros_like(ce)
