@@ -78,7 +78,7 @@ def test_compute_dtype_auto_follows_the_cpu_and_a_bad_name_is_named(monkeypatch)
     for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(loop, "cpu_has_fast_bf16", lambda fast=fast: fast)
         assert loop.compute_dtype(TrainConfig(compute_dtype="auto"), cpu) == want
-        assert loop.compute_dtype(TrainConfig(compute_dtype=""), cpu) == want
+        assert loop.compute_dtype(TrainConfig(compute_dtype=""), cpu) == torch.float32  # "": CPU is fp32
     assert loop.compute_dtype(TrainConfig(compute_dtype="bfloat16"), cpu) == torch.bfloat16  # explicit: honoured
     with pytest.raises(StageError, match=r"train.compute_dtype='bf16'"):
         loop.compute_dtype(TrainConfig(compute_dtype="bf16"), cpu)

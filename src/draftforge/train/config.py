@@ -44,8 +44,8 @@ class TrainConfig:
     init_from_target: bool = True  # warm start draft layers from the target's last layers
     init_layers: Optional[List[int]] = None  # target layers to copy (None: the last num_layers)
     attn_impl: str = "auto"  # auto (flex on CUDA, dense SDPA mask on CPU) | flex | sdpa
-    # "" or "auto": bfloat16 autocast on CUDA and on CPUs with native bf16, else float32 ("" stays the default
-    # so configs written before "auto" existed keep their stage params)
+    # "" = bfloat16 autocast on CUDA, float32 on CPU; "auto" = bfloat16 autocast on CUDA and on CPUs with
+    # native bf16 (AVX512-BF16 / AMX), else float32; or a dtype name
     compute_dtype: str = ""
     compile: bool = False  # torch.compile the draft layers (CUDA)
     log_every: int = 10

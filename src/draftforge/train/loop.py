@@ -113,9 +113,10 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    """train.compute_dtype: "" / "auto" = bf16 autocast on CUDA and on CPUs with native bf16, else fp32."""
+    """train.compute_dtype: "" = bf16 autocast on CUDA, fp32 on CPU; "auto" = bf16 autocast on CUDA and on
+    CPUs with native bf16, else fp32; else the dtype named."""
     if cfg.compute_dtype in ("", "auto"):
-        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        fast = device.type == "cuda" or (cfg.compute_dtype == "auto" and device.type == "cpu" and cpu_has_fast_bf16())
         return torch.bfloat16 if fast else torch.float32
     from draftforge.runtime import dtype_named
 
