@@ -73,11 +73,6 @@ def parse_setting(text: str) -> dict[str, Any]:
     return out
 
 
-def needs_last(s: dict[str, Any]) -> bool:
-    """Whether the setting's objective reads the target's next-token distribution."""
-    return s["tv"] > 0 or bool(s["aw"])
-
-
 def loss_weights(s: dict[str, Any]) -> dict[str, float] | None:
     """The objective's term weights (None = plain CE, the stage's DFlash default)."""
     if s["tv"] == 0 and s["ce"] == 1.0:
@@ -219,7 +214,11 @@ def main() -> None:
     if args.max_train:
         train_rows = train_rows[: args.max_train]
     layer_ids = list(info["drafter"]["target_layer_ids"])
-    with_last = any(needs_last(s) for s in settings)
+    from draftforge.train.loop import make_objective
+
+    # the train loop's own rule for whether an objective reads the target's next-token distribution
+    objs = [make_objective(TrainConfig(), dcfg, loss_weights(s), bool(s["aw"])) for s in settings]
+    with_last = any(o is not None and o.needs_target for o in objs)
     train_items = capture_features(hf_dir, layer_ids, train_rows, device, with_last)
     val_items = capture_features(hf_dir, layer_ids, val_rows, device, with_last)
     extract_s = time.perf_counter() - t0
