@@ -259,7 +259,7 @@ def main() -> None:
         eng = None
         rec: dict = {"engine": engine}
         if engine in ("captured", "compiled", "compiled_split"):
-            buckets = verify_buckets(block, vbudgets + rbudgets)
+            buckets = verify_buckets([block] + [b + 1 for b in vbudgets + rbudgets])
             t1 = time.perf_counter()
             eng = CapturedEngine(tm, capacity, buckets, drafter=drafter, compile=engine.startswith("compiled"),
                                  split_attention=engine == "compiled_split")

@@ -45,12 +45,14 @@ def tiny_hybrid_target(arch: str = "Qwen3_5ForCausalLM", vocab: int = 96, seed: 
     return wrap_target(build_random_model(spec), taps)
 
 
-def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3) -> DFlashDrafter:
-    """A random drafter of the target's width; larger init than training's so drafts are not uniform."""
+def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3,
+                 layers: int = 1, window: int = 0) -> DFlashDrafter:
+    """A random drafter of the target's width; larger init than training's so drafts are not uniform.
+    window > 0: every layer but the last is a sliding-window layer (the published Qwen3.6 layout)."""
     cfg = DFlashConfig(
-        hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=1, num_attention_heads=tm.num_heads,
+        hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=tm.num_heads,
         num_key_value_heads=tm.num_kv_heads, head_dim=tm.head_dim, vocab_size=tm.vocab_size, mask_token_id=mask_id,
-        target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers),
+        target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers), sliding_window=window,
     )
     torch.manual_seed(seed)
     d = DFlashDrafter(cfg)
@@ -79,6 +81,43 @@ def tiny_dspark_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id:
     d.reset_parameters(std=std)
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, 0.0, markov_scale / rank**0.5)
     return d.eval()
+
+
+def random_head(tm, seed: int = 0, std: float = 0.2):
+    """A random MTP head for a tiny target: Qwen2 layer in MiMo form (dense), the target's own
+    full-attention layer in Qwen3.5 form (hybrid)."""
+    from draftforge.drafter.mtp import MTPHead, trained_head_config
+
+    torch.manual_seed(seed)
+    cfg = tm.hf.config
+    if tm.hybrid:
+        head = MTPHead(cfg, "qwen3_5", "native")
+    else:
+        head = MTPHead(trained_head_config(cfg.to_dict()), "mimo", "trained")
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std * 2.4 / p.shape[-1] ** 0.5 / 0.2)
+    return head.eval()
+
+
+def drafter_kinds() -> dict:
+    """Every drafter type × convention the engine serves → (builder(tm), the methods that run it). Together
+    they cover every registered engine method (tests/unit/test_engine_graph.py checks that)."""
+
+    def mtp(tm: TargetModel):
+        head = random_head(tm, seed=3)
+        head.num_drafts = 3
+        return head
+
+    return {
+        "dflash": (lambda tm: tiny_drafter(tm, seed=3), ("dflash", "ddtree")),
+        "dflash_sliding": (lambda tm: tiny_drafter(tm, seed=3, layers=2, window=4), ("dflash", "ddtree")),
+        "dspark": (lambda tm: tiny_dspark_drafter(tm, seed=3), ("dflash", "ddtree", "dspark", "ddtree_markov")),
+        "dspark_bonus_anchor": (lambda tm: tiny_dspark_drafter(tm, seed=3, bonus_anchor=True),
+                                ("dflash", "ddtree", "dspark", "ddtree_markov")),
+        "mtp": (mtp, ("mtp",)),
+    }
 
 
 # ------------------------------------------------------------------ T > 0: sampled tokens vs the exact target law

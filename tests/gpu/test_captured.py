@@ -24,7 +24,7 @@ def _setup(arch: str, dtype: torch.dtype, seed: int = 0, variant: str = "graphs"
     tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=seed)
     tm.hf.to("cuda", dtype)
     d = tiny_drafter(tm, seed=seed).to("cuda", dtype)
-    eng = CapturedEngine(tm, 512, verify_buckets(d.cfg.block_size, BUDGETS), drafter=d,
+    eng = CapturedEngine(tm, 512, verify_buckets([d.cfg.block_size] + [b + 1 for b in BUDGETS]), drafter=d,
                          compile=variant.startswith("compiled"), split_attention=variant == "compiled_split")
     eng.capture()
     assert eng.graphs and all(b.graph is not None for b in eng._buckets.values()) and eng.drafter.graph is not None
@@ -45,6 +45,37 @@ def test_captured_equals_eager_fp32(arch: str, variant: str) -> None:
         for name, b in [("dflash", None)] + [("ddtree", b) for b in BUDGETS]:
             eager = generate(tm, make_method(name, tm, d, b), p, 40)
             cap = generate(tm, make_method(name, tm, d, b), p, 40, engine=eng)
+            assert cap.tokens == eager.tokens == ar, (name, b, seed)
+            assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dspark", "dspark_bonus_anchor", "mtp"])
+@pytest.mark.parametrize("variant", ["graphs", "compiled"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_captured_equals_eager_every_method_and_drafter_type_fp32(arch: str, variant: str, kind: str) -> None:
+    """CUDA graphs (and compiled blocks) == the eager engine in fp32, tokens and accept lengths, for every
+    registered method × drafter type (the CPU twin: tests/unit/test_engine_graph.py)."""
+    from draftforge.engine import generate, make_method
+    from draftforge.engine.graph import CapturedEngine, verify_buckets
+    from engine_fixtures import drafter_kinds, prompt, tiny_hybrid_target, tiny_target
+
+    tm = (tiny_hybrid_target if arch.startswith("Qwen3_5") else tiny_target)(arch, vocab=16, seed=3)
+    build, names = drafter_kinds()[kind]
+    d = build(tm)
+    tm.hf.to("cuda", torch.float32)
+    d = d.to("cuda", torch.float32)
+    plan = [(m, b) for m in names for b in ((1, 16) if m in ("ddtree", "ddtree_markov") else (None,))]
+    sizes = [make_method(m, tm, d, b).verify_size for m, b in plan]
+    eng = CapturedEngine(tm, 256, verify_buckets(sizes), drafter=None if kind == "mtp" else d,
+                         compile=variant == "compiled")
+    eng.capture()
+    for seed, plen in ((0, 9), (1, 70)):
+        p = prompt(tm.vocab_size, plen, seed=seed)
+        ar = generate(tm, None, p, 32).tokens
+        assert generate(tm, None, p, 32, engine=eng).tokens == ar, "ar"
+        for name, b in plan:
+            eager = generate(tm, make_method(name, tm, d, b), p, 32)
+            cap = generate(tm, make_method(name, tm, d, b), p, 32, engine=eng)
             assert cap.tokens == eager.tokens == ar, (name, b, seed)
             assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
 
@@ -90,7 +121,7 @@ def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype, heads: tuple[i
     """The split-KV kernel against the folded SDPA at real head shapes (the 256-wide head needs smaller
     tiles to fit shared memory): AR step, chain, tree spans."""
     from draftforge.engine.split_attention import combine_splits, split_partials, usable
-    from draftforge.engine.target import attend_folded
+    from draftforge.engine.blocks import attend
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, hd = heads
@@ -105,7 +136,7 @@ def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype, heads: tuple[i
             n, dtype=torch.bool, device="cuda")
         mask = torch.zeros((), device="cuda", dtype=dtype).masked_fill(~vis, float("-inf")).repeat(hq // hkv, 1)
         assert usable(q, (hq // hkv) * n, hkv)  # each span here is one the engine sends to the split kernel
-        ref = attend_folded(q, k[None], v[None], mask[None, None], hd**-0.5).float()
+        ref = attend(q, k[None], v[None], mask[None, None], False, hd**-0.5).float()
         kv = torch.tensor([kv_len], device="cuda")
         out = combine_splits(*split_partials(q, k, v, mask[None, None], kv, hd**-0.5), n, dtype).float()
         tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -3,7 +3,7 @@ perfect drafter, the engine drafts exactly the block the drafter was trained on,
 exactly the loss-masked slots, and every decontamination / hold-out threshold holds at its boundary.
 
 Written against public APIs only (generate_dflash / generate_ddtree / GenResult.accept_lengths and
-the drafter's inference and training API), so they survive engine refactors.
+the drafter's inference `draft` and training API), so they survive engine refactors.
 """
 
 from __future__ import annotations
@@ -30,31 +30,16 @@ BLOCK = 6
 
 
 
-class _ContextCache:
-    def __init__(self) -> None:
-        self.length = 0
-
-    def crop(self, n: int) -> None:
-        assert 0 <= n <= self.length
-        self.length = n
-
-
 class OracleDrafter:
-    """The drafter API the engine uses (cfg, fc, new_cache, project_context, draft) with a perfect
-    drafter behind it: block slot k at position start+k gets a hidden state whose LM-head argmax is
-    the target's own greedy token at that position (`sequence` = prompt + greedy continuation)."""
+    """The drafter API the engine uses (cfg, fc, layers, project_context, draft) with a perfect drafter behind
+    it: block slot k at position start+k gets a hidden state whose LM-head argmax is the target's own greedy
+    token at that position (`sequence` = prompt + greedy continuation)."""
 
     def __init__(self, real_drafter, tm, sequence: list[int]) -> None:
-        self.cfg, self.fc = real_drafter.cfg, real_drafter.fc
+        self.cfg, self.fc, self.layers = real_drafter.cfg, real_drafter.fc, real_drafter.layers
         self.seq = sequence
         self.W = tm.hf.get_output_embeddings().weight.detach().float()
         self._rows: dict[int, torch.Tensor] = {}
-
-    def new_cache(self) -> _ContextCache:
-        return _ContextCache()
-
-    def project_context(self, tapped: torch.Tensor) -> torch.Tensor:
-        return tapped
 
     def _row(self, token: int) -> torch.Tensor:
         """A hidden state whose logits put `token` on top by a wide margin."""
@@ -71,10 +56,9 @@ class OracleDrafter:
             self._rows[token] = h
         return self._rows[token]
 
-    def draft(self, block_embeds, start, ctx_new, cache):
-        n_new = 0 if ctx_new is None else ctx_new.shape[1]
-        assert cache.length + n_new == start, "context positions are not contiguous"
-        cache.length = start
+    def draft(self, block_embeds, block_pos, ctx_feats, ctx_pos, kv, kv_len, blocks=None, fused=None):
+        start = int(block_pos[0])
+        assert ctx_pos.numel() == 0 or int(ctx_pos[-1]) == start - 1, "context positions are not contiguous"
         B = block_embeds.shape[1]
         rows = [self._row(self.seq[start + k]) if start + k < len(self.seq) else torch.zeros_like(self.W[0]) for k in range(B)]
         return torch.stack(rows)[None].to(block_embeds.dtype)
@@ -104,18 +88,12 @@ class RecordingDrafter:
     """A real drafter behind the same API, recording every block it drafts."""
 
     def __init__(self, drafter) -> None:
-        self.d, self.cfg, self.fc = drafter, drafter.cfg, drafter.fc
+        self.d, self.cfg, self.fc, self.layers = drafter, drafter.cfg, drafter.fc, drafter.layers
         self.blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
-    def new_cache(self):
-        return self.d.new_cache()
-
-    def project_context(self, tapped):
-        return self.d.project_context(tapped)
-
-    def draft(self, block_embeds, start, ctx_new, cache):
-        h = self.d.draft(block_embeds, start, ctx_new, cache)
-        self.blocks.append((start, block_embeds.clone(), h.clone()))
+    def draft(self, block_embeds, block_pos, *args, **kwargs):
+        h = self.d.draft(block_embeds, block_pos, *args, **kwargs)
+        self.blocks.append((int(block_pos[0]), block_embeds.clone(), h.clone()))
         return h
 
 

@@ -120,22 +120,24 @@ def test_flex_and_dense_forward_match(model):
 
 
 def test_training_forward_equals_incremental_draft_with_cache_crop(model):
+    """The inference block pass (drafter.draft, the engine's) over a context cache written round by round
+    equals the training forward's blocks, also after drafting past a later start and coming back."""
+    from draftforge.drafter.inference import DraftKV
+
     cfg = model.cfg
     tapped, emb, anc = inputs(cfg)
+    a0 = model.layers[0].self_attn
     with torch.no_grad():
         ref = model(tapped, emb, anc, "sdpa")
-        ctx = model.project_context(tapped)
-        cache = model.new_cache()
+        cache = DraftKV(len(model.layers), a0.n_kv, a0.head_dim, 8, tapped.device, emb.dtype)  # grows
         # round 1 at start 1 (anchor of block 2), then draft past it, crop, and continue at 3, 9, 13
-        order = [(2, 1), (0, 3), (1, 9), (3, 13)]
-        for n, start in order:
-            prev = cache.length
-            out = model.draft(emb[:, n * B : (n + 1) * B], start, ctx[:, prev:start], cache)
+        length = 0
+        for n, start in [(2, 1), (0, 3), (1, 9), (3, 13)]:
+            cache.ensure(start + B)
+            out = model.draft(emb[:, n * B : (n + 1) * B], torch.arange(start, start + B), tapped[:, length:start],
+                              torch.arange(length, start), cache.kv, start + B)
             torch.testing.assert_close(out, ref[:, n * B : (n + 1) * B], rtol=1e-4, atol=1e-5)
-            assert cache.length == start
-            cache.crop(start)
-        with pytest.raises(ValueError):
-            model.draft(emb[:, :B], 20, ctx[:, :2], cache)  # not contiguous with the cache
+            length = start  # context only: the block's rows are scratch for the next round
 
 
 def test_config_from_target_and_hf_round_trip(tiny_target_info):

@@ -40,9 +40,12 @@ def test_rank0_bonus_anchor_is_exactly_dflash():
     h = dspark(tapped, emb, anc, "sdpa")
     assert torch.equal(dspark.head_logits(h, lm_head, prev), h_ref @ lm_head.t())
     # and the inference pass
-    cache_a, cache_b = dflash.new_cache(), dspark.new_cache()
-    ctx = dflash.project_context(tapped[:, :5])
-    assert torch.equal(dflash.draft(emb[:, :4], 5, ctx, cache_a), dspark.draft(emb[:, :4], 5, ctx, cache_b))
+    from draftforge.drafter.inference import DraftKV
+
+    a0 = dflash.layers[0].self_attn
+    kv_a, kv_b = (DraftKV(len(dflash.layers), a0.n_kv, a0.head_dim, 16, tapped.device, emb.dtype) for _ in range(2))
+    args = (emb[:, :4], torch.arange(5, 9), tapped[:, :5], torch.arange(5))
+    assert torch.equal(dflash.draft(*args, kv_a.kv, 9), dspark.draft(*args, kv_b.kv, 9))
     assert dspark.cfg.first_slot == 1 and dspark.cfg.n_draft == 3
 
 

@@ -11,16 +11,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftforge.engine import CapacityError, generate, make_method  # noqa: E402
+from draftforge.engine import METHODS, CapacityError, generate, make_method  # noqa: E402
+from draftforge.engine.draft import DrafterContext  # noqa: E402
 from draftforge.engine.graph import BucketError, CapturedEngine, verify_buckets  # noqa: E402
-from draftforge.engine.methods import DrafterContext  # noqa: E402
 from draftforge.engine.span import chain_span  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
 from engine_fixtures import (  # noqa: E402
+    drafter_kinds,
     one_thread,  # noqa: F401  (autouse fixture)
     prompt,
     tiny_drafter,
+    tiny_dspark_drafter,
     tiny_hybrid_target,
     tiny_target,
 )
@@ -36,23 +38,38 @@ def _random_tree(n_nodes: int, seed: int, vocab: int):
     return build_tree(5, logp, toks, n_nodes)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
-def test_static_engine_tokens_equal_eager(arch):
+def test_every_registered_method_is_covered_by_the_equivalence_test():
+    covered = {m for _, methods in drafter_kinds().values() for m in methods}
+    assert covered == set(METHODS), sorted(set(METHODS) ^ covered)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dspark", "dspark_bonus_anchor", "mtp"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_static_engine_equals_eager_in_tokens_and_accept_lengths(arch, kind):
+    """Static (captured, run eagerly on CPU) == eager for every method of every drafter type: the same tokens
+    (both equal AR: lossless) and the same accept length every round (the drafts are the same)."""
     hybrid = arch != "Qwen3ForCausalLM"
-    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=3)
-    d = tiny_drafter(tm, seed=3)
-    budgets = (1, 16, 64)
-    eng = CapturedEngine(tm, 192, verify_buckets(d.cfg.block_size, budgets), drafter=d)
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, vocab=16, seed=3)  # small vocab: drafts get accepted
+    build, names = drafter_kinds()[kind]
+    d = build(tm)
+    budgets = (1, 16)
+    plan = [(m, b) for m in names for b in (budgets if m in ("ddtree", "ddtree_markov") else (None,))]
+    block = d if kind != "mtp" else None
+    sizes = [make_method(m, tm, d, b).verify_size for m, b in plan]
+    eng = CapturedEngine(tm, 192, verify_buckets(sizes), drafter=block)
     assert not eng.graphs  # CPU: the static step runs eagerly
-    for seed, plen in ((0, 9), (1, 70)):  # 70 > GDN prefill chunk
+    longest = 1
+    for seed, plen in ((0, 9), (1, 70)):  # 70 > GDN prefill chunk and > one drafter block
         p = prompt(tm.vocab_size, plen, seed=seed)
         ar = generate(tm, None, p, 24).tokens
         assert generate(tm, None, p, 24, engine=eng).tokens == ar
-        for name, b in [("dflash", None)] + [("ddtree", b) for b in budgets]:
+        for name, b in plan:
             eager = generate(tm, make_method(name, tm, d, b), p, 24)
             static = generate(tm, make_method(name, tm, d, b), p, 24, engine=eng)
             assert static.tokens == eager.tokens == ar, (name, b, seed)
             assert static.accept_lengths == eager.accept_lengths, (name, b, seed)
+            longest = max(longest, *eager.accept_lengths)
+    assert longest > 1, "no method accepted a draft: the accept-length comparison would be vacuous"
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
@@ -86,11 +103,14 @@ def test_padded_bucket_gives_the_real_nodes_the_same_outputs_and_state(arch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_static_drafter_matches_eager_drafter_logits(fused):
+@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dspark"])
+def test_static_drafter_matches_eager_drafter_logits(fused, kind):
+    """The padded static block pass == the eager one, slot for slot (incl. DSpark's slot 0 and windows)."""
     tm = tiny_target("Qwen3ForCausalLM", seed=5)
-    d = tiny_drafter(tm, seed=5)
+    d = drafter_kinds()[kind][0](tm)
     eng = CapturedEngine(tm, 128, (1, d.cfg.block_size), drafter=d, fused=fused)
-    ref, sd = DrafterContext(d, tm), eng.drafter.context()
+    ref, sd = DrafterContext(d, tm), eng.drafter
+    assert sd.first_slot == d.cfg.first_slot and sd.n_draft == d.cfg.n_draft
     g = torch.Generator().manual_seed(5)
     taps = torch.randn(1, 30, len(tm.tap_ids) * tm.hidden_size, generator=g)
     start = 0
@@ -99,21 +119,23 @@ def test_static_drafter_matches_eager_drafter_logits(fused):
             c.add(taps[:, start : start + n_new])
         start += n_new
         bonus = int(torch.randint(4, tm.vocab_size, (1,), generator=g))
-        assert _rel(sd.block_logits(bonus, start), ref.block_logits(bonus, start)) < 1e-5
+        a, b = sd.block_logits(bonus, start), ref.block_logits(bonus, start)
+        assert a.shape == b.shape == (d.cfg.n_draft, tm.vocab_size)
+        assert _rel(a, b) < 1e-5
 
 
 def test_buckets_and_errors():
-    assert verify_buckets(16, [16, 64]) == (1, 16, 17, 65)
-    assert verify_buckets(None, []) == (1,)
+    assert verify_buckets([16, 17, 65]) == (1, 16, 17, 65)
+    assert verify_buckets() == (1,)
     tm = tiny_target(seed=6)
     d = tiny_drafter(tm, seed=6)
-    eng = CapturedEngine(tm, 100, verify_buckets(d.cfg.block_size, [16]), drafter=d)
+    eng = CapturedEngine(tm, 100, verify_buckets([d.cfg.block_size, 17]), drafter=d)
     assert eng.capacity == 128  # rounded up to the alignment
     assert eng.bucket_for(1) == 1 and eng.bucket_for(5) == d.cfg.block_size and eng.bucket_for(17) == 17
     with pytest.raises(BucketError, match="largest captured bucket 17"):
         eng.bucket_for(18)
     p = prompt(tm.vocab_size, 9)
-    with pytest.raises(BucketError, match=r"budget 64\) is not a captured bucket"):
+    with pytest.raises(BucketError, match=r"verify size 65 \(budget 64\) is not a captured bucket"):
         generate(tm, make_method("ddtree", tm, d, 64), p, 8, engine=eng)
     with pytest.raises(CapacityError, match="longer than the fixed capacity"):
         generate(tm, None, prompt(tm.vocab_size, 129), 8, engine=eng)
@@ -131,11 +153,16 @@ def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
     tm = tiny_target(seed=7)
     d = tiny_drafter(tm, seed=7)
     plan = method_plan(["ar", "dflash", "ddtree"], [4, 16])
-    assert captured_engine(EvaluateConfig(), tm, d, plan) is None  # default: eager
-    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, plan)
+    assert captured_engine(EvaluateConfig(), tm, d, None, plan) is None  # default: eager
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, None, plan)
     assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
     with pytest.raises(StageError, match="evaluate.engine"):
-        captured_engine(EvaluateConfig(engine="graph"), tm, d, plan)
+        captured_engine(EvaluateConfig(engine="graph"), tm, d, None, plan)
+    # a DSpark chain verifies its n_draft + 1 = B + 1 rows (every slot drafts): the bucket is the method's own
+    ds = tiny_dspark_drafter(tm, seed=7)
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, ds, None,
+                          method_plan(["ar", "dspark", "ddtree_markov"], [8]))
+    assert eng.buckets == (1, ds.cfg.block_size + 1, 9)  # B = 6: dspark 7, ddtree_markov budget 8 → 9
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
@@ -147,7 +174,7 @@ def test_fused_blocks_give_the_eager_tokens_and_share_the_weights(arch):
     d = tiny_drafter(tm, seed=4)
     p = prompt(tm.vocab_size, 20, seed=2)
     ar = generate(tm, None, p, 20).tokens
-    eng = CapturedEngine(tm, 128, verify_buckets(d.cfg.block_size, (16,)), drafter=d, fused=True)
+    eng = CapturedEngine(tm, 128, verify_buckets([d.cfg.block_size, 17]), drafter=d, fused=True)
     attn_layer = next(layer for layer, k in zip(tm.layers, tm.kinds) if k == "attention")
     fl = attn_layer._draftforge_fused
     a = attn_layer.self_attn

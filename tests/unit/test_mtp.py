@@ -17,25 +17,10 @@ from engine_fixtures import (  # noqa: E402
     assert_matches_target_law,
     one_thread,  # noqa: F401  (autouse fixture)
     prompt,
+    random_head,
     tiny_hybrid_target,
     tiny_target,
 )
-
-
-def random_head(tm, seed: int = 0, std: float = 0.2) -> MTPHead:
-    """A random head for a tiny target: Qwen2 layer in MiMo form (dense), the target's own
-    full-attention layer in Qwen3.5 form (hybrid)."""
-    torch.manual_seed(seed)
-    cfg = tm.hf.config
-    if tm.hybrid:
-        head = MTPHead(cfg, "qwen3_5", "native")
-    else:
-        head = MTPHead(trained_head_config(cfg.to_dict()), "mimo", "trained")
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, std * 2.4 / p.shape[-1] ** 0.5 / 0.2)
-    return head.eval()
 
 
 def hf_reference(head: MTPHead, hidden, embeds, positions):

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = r"""
 import torch
 from draftforge.engine.split_attention import combine_splits, plan, split_partials
-from draftforge.engine.target import attend_folded
+from draftforge.engine.blocks import attend
 
 torch.manual_seed(0)
 # (Hq, Hkv, n, hd, capacity, kv_len): AR step, a chain, a tree over several query tiles, one split only,
@@ -30,7 +30,7 @@ for hq, hkv, n, hd, cap, kv_len in [(4, 2, 1, 64, 192, 37), (8, 2, 5, 32, 256, 2
     vis[:, :past] = True
     vis[:, past:kv_len] = torch.tril(torch.rand(n, n) < 0.5) | torch.eye(n, dtype=torch.bool)  # a random tree
     mask = torch.zeros(n, cap).masked_fill(~vis, float("-inf")).repeat(g, 1)[None, None]
-    ref = attend_folded(q, k[None].clone().masked_fill(~vis.any(0)[None, None, :, None], 0), v[None], mask, 0.3)
+    ref = attend(q, k[None].clone().masked_fill(~vis.any(0)[None, None, :, None], 0), v[None], mask, False, 0.3)
     out = combine_splits(*split_partials(q, k, v, mask, torch.tensor([kv_len]), 0.3), n, q.dtype)
     splits, chunk = plan(cap, hkv, g * n, hd)
     assert splits * chunk >= cap and chunk % (64 if hd <= 128 else 32) == 0
@@ -60,7 +60,7 @@ for arch in ("Qwen3ForCausalLM", "Qwen3_5ForCausalLM"):
     d = tiny_drafter(tm, seed=4)
     p = prompt(tm.vocab_size, 20, seed=2)
     ar = generate(tm, None, p, 16).tokens
-    eng = CapturedEngine(tm, 128, verify_buckets(d.cfg.block_size, (16,)), drafter=d, fused=True, split_attention=True)
+    eng = CapturedEngine(tm, 128, verify_buckets([d.cfg.block_size, 17]), drafter=d, fused=True, split_attention=True)
     assert generate(tm, None, p, 16, engine=eng).tokens == ar, arch
     for name, b in (("dflash", None), ("ddtree", 16)):
         eager = generate(tm, make_method(name, tm, d, b), p, 16)

@@ -4,9 +4,9 @@ Names resolve lazily, so torch-free modules (`drafter.settings`, the config grou
 import without torch.
 """
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DraftCache", "export_drafter", "load_drafter"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "export_drafter", "load_drafter"]
 
-_HOME = {"DFlashConfig": "config", "DFlashDrafter": "model", "DraftCache": "model",
+_HOME = {"DFlashConfig": "config", "DFlashDrafter": "model",
          "export_drafter": "export", "load_drafter": "export"}
 
 

@@ -95,16 +95,6 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window
     return create_block_mask(mask_mod, S, None, N * B, T + N * B, device=anchors.device)
 
 
-def draft_block_mask(ctx_len: int, block_size: int, window: int, device: torch.device) -> torch.Tensor | None:
-    """Inference: one block at positions ctx_len.. over context 0..ctx_len−1. None = all visible (full layer).
-
-    → bool (1, 1, B, ctx_len + B) for a sliding-window layer, the same rule as dense_block_mask."""
-    if window <= 0:
-        return None
-    anchors = torch.tensor([[ctx_len]], device=device)
-    return dense_block_mask(anchors, ctx_len, block_size, window)
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     return torch.compile(flex_attention)  # dynamic after the first new shape (variable T, N)

@@ -80,6 +80,16 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @property
+    def first_slot(self) -> int:
+        """The first block slot that predicts a token: 1 in DFlash's fill-in block (slot 0 is the bonus)."""
+        return 1
+
+    @property
+    def n_draft(self) -> int:
+        """Drafts per block pass: the predicting slots first_slot..block_size−1."""
+        return self.block_size - self.first_slot
+
+    @property
     def feature_dim(self) -> int:
         """Width of the concatenated tapped features fed to `fc`."""
         return self.n_taps * self.target_hidden_size

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.drafter.attention import apply_rope, attend, build_mask, draft_block_mask, resolve_impl, rope_cos_sin
+from draftforge.drafter.attention import apply_rope, attend, build_mask, resolve_impl, rope_cos_sin
 from draftforge.drafter.config import SLIDING, DFlashConfig
+from draftforge.drafter.inference import PLAIN_DRAFT_BLOCKS, block_pass
 
 
 class RMSNorm(nn.Module):
@@ -95,47 +96,6 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DraftCache:
-    """Context-only KV cache: per layer K (normed, rotated) and V of committed positions 0..length-1.
-
-    Capacity grows by doubling; crop(n) only moves `length` (rows past it are overwritten later).
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.length = 0
-        self._k: list[torch.Tensor | None] = [None] * num_layers
-        self._v: list[torch.Tensor | None] = [None] * num_layers
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (1, n_kv, n, hd) for positions length..length+n-1 (length advances in advance())."""
-        n = k.shape[2]
-        need = self.length + n
-        buf = self._k[layer]
-        if buf is None or buf.shape[2] < need:
-            cap = max(need, 2 * (buf.shape[2] if buf is not None else 64))
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(new_k.shape)
-            if buf is not None:
-                new_k[:, :, : self.length] = buf[:, :, : self.length]
-                new_v[:, :, : self.length] = self._v[layer][:, :, : self.length]
-            self._k[layer], self._v[layer] = new_k, new_v
-        self._k[layer][:, :, self.length : need] = k
-        self._v[layer][:, :, self.length : need] = v
-
-    def view(self, layer: int, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + extra
-        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def crop(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"DraftCache.crop({n}): cache holds {self.length} positions")
-        self.length = n
-
-
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig, attn_impl: str = "auto") -> None:
         super().__init__()
@@ -162,40 +122,14 @@ class DFlashDrafter(nn.Module):
         """(S, n, n_taps*H_target) → (S, n, H): fc + hidden_norm."""
         return self.hidden_norm(self.fc(tapped.to(self.fc.weight.dtype)))
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(len(self.layers))
-
     @torch.no_grad()
-    def draft(self, block_embeds: torch.Tensor, start: int, ctx_new: torch.Tensor | None, cache: DraftCache) -> torch.Tensor:
-        """One non-causal pass over the block [bonus, mask x (B-1)] at positions start..start+B-1.
-
-        block_embeds (1, B, H); ctx_new (1, n_new, H) projected features of positions
-        start-n_new..start-1, appended to the cache first. Returns (1, B, H) after the final norm.
-        """
-        n_new = 0 if ctx_new is None else ctx_new.shape[1]
-        if cache.length + n_new != start:
-            raise ValueError(f"draft: cache holds {cache.length} positions + {n_new} new != start {start}")
-        dev, dtype = block_embeds.device, block_embeds.dtype
-        B = block_embeds.shape[1]
-        blk_cos, blk_sin = self._rope(torch.arange(start, start + B, device=dev), dtype)
-        if n_new:
-            ctx_cos, ctx_sin = self._rope(torch.arange(cache.length, start, device=dev), dtype)
-        h = block_embeds
-        windowed = draft_block_mask(start, B, self.cfg.sliding_window, dev)  # sliding layers only
-        for i, layer in enumerate(self.layers):
-            if n_new:
-                k_new, v_new = layer.self_attn.project_kv(ctx_new.to(dtype), ctx_cos, ctx_sin)
-                cache.write(i, k_new, v_new)
-            if cache.length + n_new:
-                ctx_k, ctx_v = cache.view(i, extra=n_new)
-            else:  # empty context: zero-length K/V
-                a = layer.self_attn
-                ctx_k = h.new_zeros(1, a.n_kv, 0, a.head_dim)
-                ctx_v = ctx_k
-            mask = windowed if self.cfg.layer_types[i] == SLIDING else None
-            h = layer(h, blk_cos, blk_sin, ctx_k, ctx_v, mask, "sdpa")
-        cache.advance(n_new)
-        return self.norm(h)
+    def draft(self, block_embeds: torch.Tensor, block_pos: torch.Tensor, ctx_feats: torch.Tensor,
+              ctx_pos: torch.Tensor, kv: torch.Tensor, kv_len: int, blocks: Any = PLAIN_DRAFT_BLOCKS,
+              fused: Any = None) -> torch.Tensor:
+        """The inference block pass (drafter/inference.py) → (1, B, H) normed: the block [bonus, mask × (B−1)]
+        at positions block_pos after the context features ctx_feats (1, c, F) of positions ctx_pos are written
+        to the context cache kv (layers, 2, Hkv, cap, hd); blocks / fused: the engine's (plain or compiled)."""
+        return block_pass(self, blocks, fused, block_embeds, block_pos, ctx_feats, ctx_pos, kv, kv_len)
 
     # ---- training API ---------------------------------------------------------------------
     def forward(

@@ -1,6 +1,6 @@
 """DSpark methods: the Markov-biased chain (`dspark`) and the Markov-conditioned DDTree (`ddtree_markov`).
 
-Both run the drafter's backbone once per round (the DFlash block pass, `DrafterContext.block_hidden`) and
+Both run the drafter's backbone once per round (the DFlash block pass, `draft.DrafterContext.block_logits`) and
 read the base logits of its predicting slots, z_d (depth d = 1..D; D = B drafts with DSpark's default
 block, B-1 with the DFlash fill-in block). The Markov head turns them into the conditional draft
 distribution of depth d given the token x at depth d-1 (the bonus for d = 1):
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from draftforge.engine.methods import METHODS, DrafterContext, Features, tree_budget
+from draftforge.engine.methods import METHODS, BlockMethod, tree_budget
 from draftforge.engine.target import TargetModel
 from draftforge.engine.tree import Tree, chain_tree
 
@@ -43,23 +43,13 @@ def require_dspark(drafter: Any, method: str) -> None:
                          f"run 'dflash' / 'ddtree' with it")
 
 
-class _MarkovBase:
-    needs_taps = True
-
+class _MarkovBase(BlockMethod):
     def __init__(self, tm: TargetModel, drafter: Any) -> None:
         require_dspark(drafter, self.name)
-        self.tm, self.drafter = tm, drafter
-        self.ctx = DrafterContext(drafter, tm)
-        self.n_draft = drafter.cfg.n_draft
+        super().__init__(tm, drafter)
         head = drafter.markov_head
         self.w1 = head.markov_w1.weight.detach().float() if head is not None else None  # (V, r)
         self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V, r)
-
-    def begin(self, feats: Features) -> None:
-        self.ctx.add(feats.taps)
-
-    def observe(self, feats: Features) -> None:
-        self.ctx.add(feats.taps)
 
     def base_logits(self, bonus: int, start: int) -> torch.Tensor:
         """(D, V) fp32 base logits of the predicting slots (depths 1..D)."""

@@ -1,49 +1,31 @@
-"""Compiled decoder blocks of the captured engine: fused projections and fewer, larger kernels.
+"""Fused projections and compiled blocks: what the captured engine adds on top of the one layer path.
 
-A captured step (`graph.py`) removes Python and launch overhead but still replays every small kernel
-the HF modules launch: per dense layer ~50 (RMSNorm in fp32 pieces, separate q/k/v and gate/up GEMVs,
-q/k norms, rotary, residual adds). At one token per step each costs a few microseconds even inside a
-CUDA graph, which puts an 8B AR step at ~2.8× the weight-bandwidth floor (docs/benchmarks.md). Here:
+A captured step (`graph.py`) removes Python and launch overhead but still replays every small kernel the
+HF modules launch: per dense layer ~50 (RMSNorm in fp32 pieces, separate q/k/v and gate/up GEMVs, q/k
+norms, rotary, residual adds). At one token per step each costs a few microseconds even inside a CUDA
+graph (docs/benchmarks.md). So, on top of the same functions the eager engine runs:
 
 - Fused projections: q/k/v and gate/up weights are concatenated once and the HF Linear weights are
   re-pointed at views of the fused tensor (no second copy; the eager path reads the same storage).
-- Three `torch.compile`d blocks with the module passed as an argument, so one compiled graph serves
-  every layer of the same structure (dynamo lifts the parameters to inputs):
-    qkv_block   norm → fused QKV → q/k norms → rotary            (1, n, H) → q, k, v, gate
-    out_block   attention over the fixed-capacity cache → o_proj → residual → MLP block
-    split_block the same after split-KV attention (split_attention.py): merge the partials → o_proj → …
-    mlp_block   norm → fused gate/up → act · up → down → residual (GDN layers' MLP)
-  and two for the drafter's block pass (every drafter layer has one structure):
-    draft_qkv_block  norm(block) → one fused QKV GEMM over [context features; block] → q/k norms → rotary
-    draft_out_block  attention over the drafter's cache → o_proj → residual → norm → fused SwiGLU → residual
-  The cache writes (`index_copy_` at the span's slots) stay outside the compiled regions, so Inductor
-  never functionalises a mutation of the whole cache.
+- `torch.compile` of the layer blocks (`blocks.py`: qkv, post-attention, split, MLP) and of the drafter's
+  block-pass blocks (`drafter/inference.py`), the module passed as an argument so one compiled graph
+  serves every layer of one structure (dynamo lifts the parameters to inputs). Cache writes stay outside.
 
-Invariant: the compiled step computes the same function as the eager static step; only the rounding
-of fused reductions may differ (fp32: tokens equal except at exact ties; checked by tests/gpu).
+Invariant: compiled blocks compute the same function as the plain ones; only the rounding of fused
+reductions may differ (fp32: tokens equal except at exact ties; checked by tests/gpu).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from draftforge.drafter.attention import apply_rope
-from draftforge.engine.split_attention import combine_splits
-from draftforge.engine.target import TargetModel, attend_folded, attention_out, split_heads
-
-
-@dataclass
-class FusedLayer:
-    wqkv: torch.Tensor | None  # (q_out + 2·kv_out, H) attention layers only
-    bqkv: torch.Tensor | None  # qwen2-style q/k/v biases, fused the same way
-    q_out: int  # rows of wqkv that are q (and the output gate, for gated attention)
-    kv_out: int
-    wgu: torch.Tensor | None  # (2·I, H) dense gate/up MLPs only (None: MoE or another MLP form)
+from draftforge.drafter import inference
+from draftforge.engine import blocks
+from draftforge.engine.blocks import FusedLayer
 
 
 def _fuse(linears: list[nn.Linear], bias: bool) -> torch.Tensor:
@@ -63,7 +45,7 @@ def _dense_mlp(mlp: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def fuse_projections(tm: TargetModel) -> list[FusedLayer]:
+def fuse_projections(tm: Any) -> list[FusedLayer]:
     """Per layer: fused q/k/v (attention layers) and gate/up (dense MLPs); idempotent."""
     out = []
     for layer, kind in zip(tm.layers, tm.kinds):
@@ -90,40 +72,6 @@ def fuse_projections(tm: TargetModel) -> list[FusedLayer]:
     return out
 
 
-def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor, bqkv: torch.Tensor | None, h: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, q_out: int, kv_out: int, n_heads: int, n_kv: int, hd: int,
-              qk_norm: bool, gated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """h (1, n, H) → q (1, Hq, n, hd), k, v (1, Hkv, n, hd) with rotary, output gate (1, n, Hq·hd) or None."""
-    qg, k, v = F.linear(norm(h), wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
-    return split_heads(attn, qg, k, v, cos, sin, n_heads, n_kv, hd, qk_norm, gated)
-
-
-def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
-    """h (1, n, H) → h + MLP(post-attention norm(h)); fused gate/up when the MLP is dense."""
-    x = layer.post_attention_layernorm(h)
-    m = layer.mlp
-    if wgu is None:
-        out = m(x)
-        return h + (out[0] if isinstance(out, tuple) else out)
-    g, u = F.linear(x, wgu).chunk(2, dim=-1)
-    return h + m.down_proj(m.act_fn(g) * u)
-
-
-def out_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Attention of q (1, Hq, n, hd) over the cache (Hkv, cap, hd) under the additive folded mask
-    (1, 1, g·n, cap), o_proj, residual, MLP block."""
-    o = attend_folded(q, k_cache[None], v_cache[None], mask, scale)
-    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
-
-
-def split_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, acc: torch.Tensor, mx: torch.Tensor,
-                sm: torch.Tensor, gate: torch.Tensor | None, n: int) -> torch.Tensor:
-    """`out_block` after split-KV attention: partials (split_attention.split_partials) of n query nodes."""
-    o = combine_splits(acc, mx, sm, n, h.dtype)  # (1, Hq, n, hd)
-    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
-
-
 @dataclass
 class FusedDraftLayer:
     wqkv: torch.Tensor  # (q_out + 2·kv_out, H)
@@ -145,49 +93,28 @@ def fuse_drafter(drafter: nn.Module) -> list[FusedDraftLayer]:
     return out
 
 
-def draft_qkv_block(layer: nn.Module, wqkv: torch.Tensor, h: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h (1, B, H) block states, ctx (1, B, H) projected context features, cos/sin (1, 2B, hd) at [context
-    slots; block slots] → q (1, Hq, B, hd) of the block, k, v (1, Hkv, 2B, hd) of [context; block]."""
-    a = layer.self_attn
-    B = h.shape[1]
-    y = F.linear(torch.cat([ctx, layer.input_layernorm(h)], dim=1), wqkv)  # (1, 2B, q + 2·kv)
-    q_out, kv_out = a.n_heads * a.head_dim, a.n_kv * a.head_dim
-    q, k, v = y.split([q_out, kv_out, kv_out], dim=-1)
-    q = a.q_norm(q[:, B:].view(1, B, a.n_heads, a.head_dim)).transpose(1, 2)
-    k = a.k_norm(k.view(1, 2 * B, a.n_kv, a.head_dim)).transpose(1, 2)
-    v = v.view(1, 2 * B, a.n_kv, a.head_dim).transpose(1, 2)
-    return apply_rope(q, cos[:, None, B:], sin[:, None, B:]), apply_rope(k, cos[:, None], sin[:, None]), v
-
-
-def draft_out_block(layer: nn.Module, wgu: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of the block's q over the drafter cache (Hkv, cap, hd), o_proj, residual, SwiGLU, residual."""
-    a = layer.self_attn
-    B = h.shape[1]
-    o = attend_folded(q, k_cache[None], v_cache[None], mask, None)
-    h = h + a.o_proj(o.transpose(1, 2).reshape(1, B, a.n_heads * a.head_dim))
-    g, u = F.linear(layer.post_attention_layernorm(h), wgu).chunk(2, dim=-1)
-    return h + layer.mlp.down_proj(F.silu(g) * u)
-
-
 @dataclass
-class CompiledBlocks:
-    qkv: Any
-    out: Any
-    split: Any
-    mlp: Any
-    draft_qkv: Any
-    draft_out: Any
+class LayerBlocks:
+    qkv: Any  # blocks.qkv_block
+    post: Any  # blocks.post_attention
+    split: Any  # blocks.split_block
+    mlp: Any  # blocks.mlp_block
+    draft_qkv: Any  # drafter.inference.draft_qkv_block
+    draft_out: Any  # drafter.inference.draft_out_block
 
 
-def layer_blocks(compiled: bool) -> CompiledBlocks:
-    """The three blocks, under torch.compile when `compiled` (static shapes: one graph per verify bucket,
-    shared by every layer of one structure); as plain functions otherwise (CPU tests of the fused math)."""
-    plain = dict(qkv=qkv_block, out=out_block, split=split_block, mlp=mlp_block, draft_qkv=draft_qkv_block,
-                 draft_out=draft_out_block)
+def plain_blocks() -> LayerBlocks:
+    """The layer blocks as plain functions (the eager engine, and the static step without compile)."""
+    return LayerBlocks(qkv=blocks.qkv_block, post=blocks.post_attention, split=blocks.split_block,
+                       mlp=blocks.mlp_block, draft_qkv=inference.draft_qkv_block, draft_out=inference.draft_out_block)
+
+
+def layer_blocks(compiled: bool) -> LayerBlocks:
+    """The blocks, under torch.compile when `compiled` (static shapes: one graph per verify bucket, shared by
+    every layer of one structure); as plain functions otherwise."""
+    plain = plain_blocks()
     if not compiled:
-        return CompiledBlocks(**plain)
+        return plain
     import torch._dynamo
     import torch._inductor.config
 
@@ -196,4 +123,4 @@ def layer_blocks(compiled: bool) -> CompiledBlocks:
     # round to the model dtype where the eager code casts (bf16 results then differ from eager by ties only)
     torch._inductor.config.emulate_precision_casts = True
     kw: dict[str, Any] = {"dynamic": False, "fullgraph": True}
-    return CompiledBlocks(**{name: torch.compile(fn, **kw) for name, fn in plain.items()})
+    return LayerBlocks(**{f.name: torch.compile(getattr(plain, f.name), **kw) for f in fields(LayerBlocks)})

@@ -19,10 +19,14 @@ prompt is prefilled, chunk by chunk. All of it runs in fp32 (or the model's dtyp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from draftforge.engine.state import GDNScratch
 
 PREFILL_CHUNK = 64  # prompt tokens per dense triangular block (O(chunk²) memory per head)
 
@@ -42,16 +46,6 @@ class GDNShape:
 
 def gdn_shape(mixer: nn.Module) -> GDNShape:
     return GDNShape(mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.conv_kernel_size)
-
-
-@dataclass
-class VerifyScratch:
-    """What a verify pass keeps per GDN layer so that commit(path) can advance the state."""
-
-    conv_in: torch.Tensor  # (n, conv_dim) pre-conv inputs of the span's tokens
-    G: torch.Tensor  # (Hv, n) fp32 root-path cumulative log-gates
-    K: torch.Tensor  # (Hv, n, dk) fp32 normalised keys
-    delta: torch.Tensor  # (Hv, n, dv) fp32 solved Δ
 
 
 def project(mixer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,24 +148,24 @@ def state_after(S0: torch.Tensor, G: torch.Tensor, K: torch.Tensor, delta: torch
     return G[:, m].exp()[:, None, None] * S0 + Kp.transpose(1, 2) @ delta[:, path]
 
 
-def mix(mixer: nn.Module, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-        depths: torch.Tensor, anc: torch.Tensor | None, anc_at: torch.Tensor | None,
-        commit_all: bool) -> tuple[torch.Tensor, VerifyScratch | None]:
-    """The GDN token mixer over a span: x (1, n, H) → (1, n, H).
+def mix(mixer: nn.Module, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, span: "GDNSpan",
+        scratch: "GDNScratch | None", layer_slot: int) -> torch.Tensor:
+    """The GDN token mixer over a span: x (1, n, H) normed → (1, n, H). One function for every engine.
 
-    commit_all (prefill): the span is a chain that is committed whole; conv_state (K−1, C) and rec_state
-    (Hv, dk, dv) are advanced in place and nothing is kept. Otherwise (verify) the states are untouched
-    and the returned scratch lets `commit_path` advance them along the accepted path.
+    span.commit_all (prefill, eager AR step): the span is a chain committed whole; conv_state (K−1, C) and
+    rec_state (Hv, dk, dv) advance in place. Otherwise (verify) the states are untouched and the span's
+    conv inputs, G, K and Δ go to rows 0..n−1 of `scratch` at `layer_slot`, from which
+    `TargetState.commit(path)` advances every layer along the accepted path.
     """
     n = x.shape[1]
     conv_in, z, b, a = project(mixer, x)
     K = mixer.conv_kernel_size
-    weight = mixer.conv1d.weight[:, 0]  # (C, K)
-    window = conv_window_index(depths, anc_at, K)
-    conv_out = tree_conv(conv_in, conv_state, weight, window)
+    window = conv_window_index(span.depths, span.anc_at, K)
+    conv_out = tree_conv(conv_in, conv_state, mixer.conv1d.weight[:, 0], window)
     q, k, v, g, beta = qkv_gates(mixer, conv_out, b, a)
-    scratch = None
-    if commit_all:  # chain: dense triangular blocks of PREFILL_CHUNK tokens, state carried between them
+    if span.real is not None:  # padded nodes of a static bucket: Δ = 0, so they change nothing
+        beta = beta * span.real.to(beta.dtype)
+    if span.commit_all:  # chain: dense triangular blocks of PREFILL_CHUNK tokens, state carried between them
         outs, S = [], rec_state
         for s in range(0, n, PREFILL_CHUNK):
             e = min(n, s + PREFILL_CHUNK)
@@ -183,11 +177,24 @@ def mix(mixer: nn.Module, x: torch.Tensor, conv_state: torch.Tensor, rec_state: 
         rec_state.copy_(S)
         conv_state.copy_(torch.cat([conv_state, conv_in.to(conv_state.dtype)], dim=0)[-(K - 1):])
     else:
-        if anc is None:
-            anc = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        anc = span.anc if span.anc is not None else torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         out, G, delta = delta_rule_tree(q, k, v, g, beta, rec_state, anc)
-        scratch = VerifyScratch(conv_in=conv_in, G=G, K=k, delta=delta)
-    return gated_out(mixer, out, z, x.dtype), scratch
+        scratch.conv_in[layer_slot, :n].copy_(conv_in)
+        scratch.G[layer_slot, :, :n].copy_(G)
+        scratch.K[layer_slot, :, :n].copy_(k)
+        scratch.delta[layer_slot, :, :n].copy_(delta)
+    return gated_out(mixer, out, z, x.dtype)
+
+
+@dataclass
+class GDNSpan:
+    """A span's visibility as GDN layers read it (the attention layers read the same as a mask)."""
+
+    depths: torch.Tensor  # (n,) distance from the span's root
+    anc: torch.Tensor | None  # (n, n) bool ancestor-or-self; None = causal chain
+    anc_at: torch.Tensor | None  # (n, K) o-th ancestor (−1 past the root); None = chain
+    real: torch.Tensor | None  # (n,) 1 for real nodes, 0 for a static bucket's padding; None = all real
+    commit_all: bool  # a chain kept whole: states advance in place
 
 
 def gated_out(mixer: nn.Module, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,11 +203,3 @@ def gated_out(mixer: nn.Module, out: torch.Tensor, z: torch.Tensor, dtype: torch
     o = out.transpose(0, 1).to(dtype)  # (n, Hv, dv)
     o = mixer.norm(o.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)).view(1, n, -1)
     return mixer.out_proj(o)
-
-
-def commit_path(scratch: VerifyScratch, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                path: torch.Tensor) -> None:
-    """Advance one layer's conv (K−1, C) and recurrent (Hv, dk, dv) states along the accepted path."""
-    rec_state.copy_(state_after(rec_state, scratch.G, scratch.K, scratch.delta, path))
-    km1 = conv_state.shape[0]
-    conv_state.copy_(torch.cat([conv_state, scratch.conv_in[path].to(conv_state.dtype)], dim=0)[-km1:])

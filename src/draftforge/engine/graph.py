@@ -4,8 +4,8 @@ The eager engine (`target.forward`) slices the state to the committed length, bu
 length and launches every kernel from Python; on a GPU the launches, not the weights, then bound a
 step. Here every verify forward has a fixed shape, so it can be captured once and replayed:
 
-- Buckets: verify sizes n ∈ {1 (AR step), B (DFlash chain), budget + 1 (DDTree)}; a tree smaller than
-  its bucket is padded. Padded nodes are their own roots (depth 0, see only themselves, β = 0 in GDN
+- Buckets: the verify sizes of the methods it serves (`verify_buckets`: 1 for the AR step, each method's
+  `verify_size`); a tree smaller than its bucket is padded. Padded nodes are their own roots (depth 0, see only themselves, β = 0 in GDN
   layers) and are never on an accepted path, so they cannot change a real node's output.
 - Inputs are device buffers the step reads: token ids, rotary positions, depths, the state rows the
   span's K/V go to (written with `index_copy_`), the span's ancestor matrix (the attention mask over the
@@ -14,9 +14,10 @@ step. Here every verify forward has a fixed shape, so it can be captured once an
   verify scratch) are buffers too.
 - Attention reads K/V in place over the fixed capacity (rows past the span are masked): native GQA by
   folding each KV head's query heads into the query axis (no per-step K/V expansion or copy).
-- The committed prefix is never moved by a verify; `commit(path)` moves the accepted rows' K/V and
-  advances every GDN layer's conv and recurrent state in a few batched kernels (eager, outside the graph).
-- The drafter's block pass is static the same way (`static_drafter.py`).
+- The committed prefix is never moved by a verify; `commit(path)` is the state's own commit
+  (`TargetState.commit`: the accepted rows' K/V and every GDN layer's states in a few batched kernels).
+- The layers are the eager engine's (`target.run_layers`), the drafter's block pass too (`draft.py`): this
+  module owns only fixed-capacity buffers, verify buckets, staging, graph capture and compilation.
 
 On CPU (or with `graphs=False`) the same static step runs eagerly; tokens equal the eager engine's.
 Prompt prefill stays eager (`target.forward`, one per generation). Errors: a prompt or generation that
@@ -34,18 +35,11 @@ from typing import Any
 import torch
 
 from draftforge.engine import fused as fused_blocks
-from draftforge.engine import gdn, split_attention
+from draftforge.engine import gdn
 from draftforge.engine.capture import align, capture_graph
+from draftforge.engine.draft import DrafterContext, StaticDraft
 from draftforge.engine.state import CapacityError, TargetState
-from draftforge.engine.static_drafter import StaticDrafter
-from draftforge.engine.target import (
-    TargetModel,
-    attend_folded,
-    attention_out,
-    mlp,
-    project_qkv,
-    rope_tables,
-)
+from draftforge.engine.target import LayerRuntime, Step, TargetModel, run_layers
 from draftforge.engine.tree import Tree, ancestor_matrix
 
 
@@ -53,13 +47,9 @@ class BucketError(ValueError):
     pass
 
 
-def verify_buckets(block_size: int | None = None, budgets: Iterable[int] = ()) -> tuple[int, ...]:
-    """Verify sizes to capture: 1 (AR step), the chain's block size, every DDTree budget + 1."""
-    sizes = {1}
-    if block_size:
-        sizes.add(int(block_size))
-    sizes.update(int(b) + 1 for b in budgets)
-    return tuple(sorted(sizes))
+def verify_buckets(verify_sizes: Iterable[int] = ()) -> tuple[int, ...]:
+    """Verify sizes to capture: 1 (the AR step) and each method's `verify_size` (root included)."""
+    return tuple(sorted({1, *(int(n) for n in verify_sizes)}))
 
 
 def _mask_over(anc: torch.Tensor, past: torch.Tensor, cols: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,20 +81,10 @@ class _Bucket:
     anc_is_chain: bool = False  # the device ancestor buffer holds the full chain
 
 
-@dataclass
-class _GDNScratch:
-    """Verify outputs every GDN layer keeps for commit, at the largest bucket (smaller ones use a prefix)."""
-
-    conv_in: torch.Tensor  # (n_gdn, N, C)
-    G: torch.Tensor  # (n_gdn, Hv, N) fp32
-    K: torch.Tensor  # (n_gdn, Hv, N, dk) fp32
-    delta: torch.Tensor  # (n_gdn, Hv, N, dv) fp32
-
-
 class CapturedEngine:
     """A target (and optionally its block drafter) with static verify steps at a fixed capacity.
 
-        eng = CapturedEngine(tm, capacity=4096, buckets=verify_buckets(16, [16, 64]), drafter=d)
+        eng = CapturedEngine(tm, capacity=4096, buckets=verify_buckets([16, 17, 65]), drafter=d)
         eng.capture()                      # CUDA: one graph per bucket (+ the drafter's block pass)
         generate(tm, method, prompt, 128, engine=eng)
 
@@ -124,35 +104,23 @@ class CapturedEngine:
         if self.graphs and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
             raise ValueError("captured engine: MoE MLPs route tokens with data-dependent shapes and cannot be captured "
                              "in a CUDA graph; use the eager engine (or graphs=False) for this target")
-        self.blocks = None  # fused layer blocks (`fused.py`): fused=True runs them as is, compile=True compiled
-        if fused or compile:
-            if compile and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
-                raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
-            self.fused = fused_blocks.fuse_projections(tm)
-            self.blocks = fused_blocks.layer_blocks(compiled=compile)
-        # fused blocks on CUDA: split-KV attention (split_attention.py) where SDPA would leave SMs idle
-        # (split_attention.usable decides per step); faster or equal at every verify size measured on an
-        # H200 (docs/benchmarks.md, "Split-KV attention"), so on by default
-        self.split_attention = split_attention
+        if compile and any(hasattr(layer.mlp, "experts") for layer in tm.layers):
+            raise ValueError("captured engine: compile=True needs dense MLPs (MoE routing is data-dependent)")
+        # The layers run as in the eager engine (`target.run_layers`); fused / compile put fused weights and
+        # torch.compile'd blocks (`fused.py`) on top. Split-KV attention (split_attention.py, CUDA) where SDPA
+        # would leave SMs idle: faster or equal at every verify size measured on an H200 (docs/benchmarks.md,
+        # "Split-KV attention"), so on by default.
+        fuse = fused or compile
+        self.runtime = LayerRuntime(
+            fused=fused_blocks.fuse_projections(tm) if fuse else tm.runtime.fused,
+            blocks=fused_blocks.layer_blocks(compiled=compile) if fuse else tm.runtime.blocks,
+            split_attention=split_attention and fuse, gdn_mixers=gdn_mixers)
         self.capacity = align(int(capacity))
-        self.gdn_mixers = gdn_mixers  # benchmarks only: False skips GDN token mixers (their share of a step)
         dev, dt = tm.device, tm.dtype
-        self.state = TargetState(tm, self.capacity)
-        self.state.kv.zero_()  # masked columns are read: they must hold finite values
+        self.state = TargetState(tm, self.capacity, max_span=self.buckets[-1])
         self.cols = torch.arange(self.capacity, device=dev)
         self.group = tm.num_heads // tm.num_kv_heads
         self.kc = max(tm.conv_kernel, 1)
-        n_max = self.buckets[-1]
-        self.scratch = None
-        if tm.hybrid:
-            g, n_gdn = tm.gdn, tm.kinds.count("gdn")
-            ct = gdn.compute_dtype(dt)
-            self.scratch = _GDNScratch(
-                conv_in=torch.zeros(n_gdn, n_max, g.conv_dim, device=dev, dtype=dt),
-                G=torch.zeros(n_gdn, g.num_v_heads, n_max, device=dev, dtype=ct),
-                K=torch.zeros(n_gdn, g.num_v_heads, n_max, g.head_k_dim, device=dev, dtype=ct),
-                delta=torch.zeros(n_gdn, g.num_v_heads, n_max, g.head_v_dim, device=dev, dtype=ct),
-            )
         pin = dev.type == "cuda"
         n_taps = len(tm.tap_ids)
         self._buckets: dict[int, _Bucket] = {}
@@ -167,7 +135,11 @@ class CapturedEngine:
                 taps=torch.zeros(1, n, n_taps * tm.hidden_size, device=dev, dtype=dt) if n_taps else None,
                 ar=torch.arange(n),
             )
-        self.drafter = StaticDrafter(self, drafter) if drafter is not None else None
+        self.drafter = None  # the drafter's static context: the same block pass, fixed buffers (draft.py)
+        if drafter is not None:
+            static = StaticDraft(self.capacity, self.runtime.blocks,
+                                 fused_blocks.fuse_drafter(drafter) if fuse else None, self.graphs)
+            self.drafter = DrafterContext(drafter, tm, static)
         self.pool = None
         self.capture_s: dict[str, float] = {}
         self.last: _Bucket | None = None
@@ -184,7 +156,7 @@ class CapturedEngine:
     def check_method(self, verify_size: int) -> None:
         if verify_size not in self.buckets:
             raise BucketError(f"captured engine: verify size {verify_size} (budget {verify_size - 1}) is not a captured "
-                              f"bucket {list(self.buckets)}; build the engine with this budget or block size")
+                              f"bucket {list(self.buckets)}; build the engine with this method's verify size")
 
     # ---- the static step ----------------------------------------------------------------------------------
     def _fill(self, b: _Bucket, tokens: Sequence[int], parents: Sequence[int], depths: Sequence[int]) -> None:
@@ -236,78 +208,18 @@ class CapturedEngine:
         return m, ancestor_matrix(par.clamp(min=0), dep, int(dep.max()))
 
     def _step(self, b: _Bucket) -> None:
-        """The static forward over bucket b's staged inputs (captured on CUDA)."""
-        tm, n = self.tm, b.n
-        meta = b.meta
-        ids, pos, depths, slots = meta[0:1], meta[1], meta[2], meta[3]
-        real = meta[4]
-        anc_at = meta[5:].T  # (n, Kc)
-        cos, sin = rope_tables(tm, pos)
-        mask = _mask_over(b.anc, slots[:1], self.cols, self.group, tm.dtype)
-        h = tm.embed(ids)
-        for i, layer in enumerate(tm.layers):
-            if self.blocks is not None:  # fused blocks: norms inside, cache writes outside
-                h = self._fused_layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
-            else:
-                h = self._layer(i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n)
-            t = tm._tap_pos.get(i)
-            if t is not None and b.taps is not None:
-                H = tm.hidden_size
-                b.taps[:, :, t * H : (t + 1) * H].copy_(h)
-        hn = tm.norm(h)
-        b.h.copy_(hn)
-        b.logits.copy_(tm.lm_head(hn[0]))
-
-    def _layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
-        """One decoder layer from the HF modules."""
-        tm, st = self.tm, self.state
-        x = layer.input_layernorm(h)
-        s = tm.slots[i]
-        if tm.kinds[i] == "attention":
-            attn = layer.self_attn
-            q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
-            kv = st.kv[s]
-            kv[0].index_copy_(1, slots, k[0])
-            kv[1].index_copy_(1, slots, v[0])
-            o = attend_folded(q, kv[0][None], kv[1][None], mask, attn.scaling)
-            h = h + attention_out(attn, o, gate)
-        elif self.gdn_mixers:
-            h = h + self._gdn(layer.linear_attn, x, s, depths, b.anc, anc_at, real, n)
-        return h + mlp(layer, layer.post_attention_layernorm(h))
-
-    def _fused_layer(self, i, layer, h, cos, sin, slots, mask, depths, b, anc_at, real, n) -> torch.Tensor:
-        """One decoder layer through the fused blocks (fused.py, compiled or not); same function as `_layer`."""
-        tm, fl, blk = self.tm, self.fused[i], self.blocks
-        s = tm.slots[i]
-        if tm.kinds[i] == "attention":
-            attn = layer.self_attn
-            q, k, v, gate = blk.qkv(attn, layer.input_layernorm, fl.wqkv, fl.bqkv, h, cos, sin, fl.q_out, fl.kv_out,
-                                    tm.num_heads, tm.num_kv_heads, tm.head_dim, tm.qk_norm, tm.gated_attention)
-            kv = self.state.kv[s]
-            kv[0].index_copy_(1, slots, k[0])
-            kv[1].index_copy_(1, slots, v[0])
-            if self.split_attention and split_attention.usable(q, self.group * n, tm.num_kv_heads):
-                kv_len = slots[-1:] + 1  # rows past the span's last slot are masked: the kernel stops there
-                parts = split_attention.split_partials(q, kv[0], kv[1], mask, kv_len, attn.scaling)
-                return blk.split(layer, fl.wgu, h, *parts, gate, n)
-            return blk.out(layer, fl.wgu, h, q, kv[0], kv[1], mask, gate, attn.scaling)
-        if self.gdn_mixers:
-            h = h + self._gdn(layer.linear_attn, layer.input_layernorm(h), s, depths, b.anc, anc_at, real, n)
-        return blk.mlp(layer, fl.wgu, h)
-
-    def _gdn(self, mixer, x, s, depths, anc, anc_at, real, n) -> torch.Tensor:
-        st, sc = self.state, self.scratch
-        conv_in, z, bb, a = gdn.project(mixer, x)
-        window = gdn.conv_window_index(depths, anc_at, mixer.conv_kernel_size)
-        conv_out = gdn.tree_conv(conv_in, st.conv[s], mixer.conv1d.weight[:, 0], window)
-        q, k, v, g, beta = gdn.qkv_gates(mixer, conv_out, bb, a)
-        beta = beta * real.to(beta.dtype)  # padded nodes: Δ = 0
-        out, G, delta = gdn.delta_rule_tree(q, k, v, g, beta, st.rec[s], anc)
-        sc.conv_in[s, :n].copy_(conv_in)
-        sc.G[s, :, :n].copy_(G)
-        sc.K[s, :, :n].copy_(k)
-        sc.delta[s, :, :n].copy_(delta)
-        return gdn.gated_out(mixer, out, z, x.dtype)
+        """The static forward over bucket b's staged inputs (captured on CUDA): the eager engine's layers
+        over the whole fixed capacity, the mask built from the staged ancestor matrix."""
+        tm, meta = self.tm, b.meta
+        slots = meta[3]
+        step = Step(ids=meta[0:1], positions=meta[1], slots=slots, kv_len=self.capacity,
+                    mask=_mask_over(b.anc, slots[:1], self.cols, self.group, tm.dtype), causal=False,
+                    gdn=gdn.GDNSpan(meta[2], b.anc, meta[5:].T, meta[4], commit_all=False) if tm.hybrid else None)
+        h, taps = run_layers(tm, self.state, step, self.runtime, want_taps=b.taps is not None)
+        b.h.copy_(h)
+        b.logits.copy_(tm.lm_head(h[0]))
+        if b.taps is not None:
+            b.taps.copy_(taps)
 
     def _run(self, b: _Bucket) -> None:
         if b.graph is not None:
@@ -343,10 +255,7 @@ class CapturedEngine:
 
     # ---- generation API (loops.generate(..., engine=eng)) ------------------------------------------------
     def reset(self) -> None:
-        st = self.state
-        st.length, st.pending = 0, 0
-        st.conv.zero_()
-        st.rec.zero_()  # KV rows past the committed length are scratch (finite values from earlier steps)
+        self.state.reset()
 
     def begin(self, method: Any, prompt_len: int, max_new_tokens: int) -> TargetState:
         """Reset the state for a generation; check sizes up front; give the method the static drafter."""
@@ -360,9 +269,11 @@ class CapturedEngine:
             raise CapacityError(f"captured engine: prompt {prompt_len} + max_new_tokens {max_new_tokens} + verify "
                                 f"{verify} = {need} rows exceed the fixed capacity {self.capacity}")
         self.reset()
-        ctx = getattr(method, "ctx", None)
-        if ctx is not None and self.drafter is not None and getattr(ctx, "drafter", None) is self.drafter.d:
-            method.ctx = self.drafter.context()
+        if hasattr(method, "attach"):  # a block-drafter method drafts through the engine's static context
+            if self.drafter is None:
+                raise ValueError(f"captured engine: method {method.name!r} drafts with a block drafter; build the "
+                                 "engine with drafter=<that drafter>")
+            method.attach(self.drafter)
         return self.state
 
     def verify(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -383,26 +294,8 @@ class CapturedEngine:
 
     @torch.no_grad()
     def commit(self, path: Sequence[int]) -> None:
-        """Keep the last verify's nodes `path` (a root path, ascending): K/V rows and GDN states."""
-        st, b = self.state, self.last
-        if b is None:
+        """Keep the last verify's nodes `path` (a root path, ascending): the state's own commit."""
+        if self.last is None:
             raise RuntimeError("captured engine: commit without a verify")
-        m, past = len(path), st.length
-        dev = self.tm.device
-        if st.kv.shape[0] and list(path) != list(range(m)):
-            src = torch.tensor(list(path), device=dev) + past
-            dst = torch.arange(past, past + m, device=dev)
-            st.kv.index_copy_(3, dst, st.kv.index_select(3, src))
-        if self.scratch is not None and self.gdn_mixers:
-            sc = self.scratch
-            p = torch.tensor(list(path), device=dev)
-            last = int(path[-1])
-            Gm = sc.G[:, :, last]  # (L, Hv)
-            w = (Gm[..., None] - sc.G[:, :, p]).exp()  # (L, Hv, m)
-            Kp = sc.K[:, :, p] * w[..., None]
-            st.rec.copy_(Gm.exp()[..., None, None] * st.rec + Kp.transpose(-1, -2) @ sc.delta[:, :, p])
-            km1 = st.conv.shape[1]
-            st.conv.copy_(torch.cat([st.conv, sc.conv_in[:, p].to(st.conv.dtype)], dim=1)[:, -km1:])
-        st.length = past + m
-        st.pending = 0
+        self.state.commit(path)
         self.last = None

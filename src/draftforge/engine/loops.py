@@ -135,7 +135,7 @@ def generate(tm: TargetModel, method: Method | None, prompt_ids: Sequence[int], 
     if engine is not None:
         state = engine.begin(method, len(prompt_ids), max_new_tokens)
     else:
-        state = TargetState(tm, len(prompt_ids) + max_new_tokens + verify + CAPACITY_SLACK)
+        state = TargetState(tm, len(prompt_ids) + max_new_tokens + verify + CAPACITY_SLACK, max_span=verify)
     ids = torch.tensor([list(prompt_ids)], device=tm.device, dtype=torch.long)  # (1, P)
     want_taps = method is not None and method.needs_taps
     h, taps = forward(tm, state, chain_span(ids, 0, tm.dtype, commit_all=True), want_taps)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from draftforge.engine.target import TargetModel, embed_tokens
+from draftforge.engine.draft import DrafterContext
+from draftforge.engine.target import TargetModel
 from draftforge.engine.tree import Tree, build_tree, chain_tree, draft_topk
 
 
@@ -43,63 +44,46 @@ class Method(Protocol):
     def observe(self, feats: Features) -> None: ...
 
 
-class DrafterContext:
-    """A block drafter's context KV cache plus the features of committed tokens not yet in it."""
+class BlockMethod:
+    """A method that drafts with a block drafter's pass (`draft.DrafterContext`): DFlash, DDTree, DSpark.
 
-    def __init__(self, drafter: Any, tm: TargetModel) -> None:
-        if tuple(drafter.cfg.target_layer_ids) != tm.tap_ids:
-            raise ValueError(f"drafter taps {drafter.cfg.target_layer_ids} != target wrapper taps {list(tm.tap_ids)}")
-        self.drafter, self.tm = drafter, tm
-        self.cache = drafter.new_cache()
-        self.pending: torch.Tensor | None = None  # (1, n_new, n_taps*H) positions cache.length..start-1
-        self.block = drafter.cfg.block_size
-        self.mask_id = drafter.cfg.mask_token_id
-        # The first predicting slot: 1 for DFlash's fill-in block (slot 0 is the bonus), 0 for DSpark's
-        # default block (every slot predicts the next position).
-        self.first_slot = getattr(drafter.cfg, "first_slot", 1)
-        self.n_draft = self.block - self.first_slot
+    A captured engine gives the method its static context for the generation (`attach`); the drafter, its
+    first predicting slot and its drafts per block are the context's, so both engines draft the same."""
 
-    def add(self, taps: torch.Tensor | None) -> None:
-        if taps is None or not taps.shape[1]:
-            return
-        self.pending = taps if self.pending is None else torch.cat([self.pending, taps], dim=1)
+    needs_taps = True
 
-    def block_hidden(self, bonus: int, start: int) -> torch.Tensor:
-        """One drafter pass over [bonus, mask × (B−1)] at positions start.. → block states (1, B, H)."""
-        d = self.drafter
-        ctx_new = d.project_context(self.pending) if self.pending is not None else None
-        emb = embed_tokens(self.tm, [bonus] + [self.mask_id] * (self.block - 1)).to(d.fc.weight.dtype)
-        h = d.draft(emb, start, ctx_new, self.cache)  # (1, B, H)
-        self.cache.crop(start)  # context only: committed positions 0..start-1
-        self.pending = None
-        return h
-
-    def block_logits(self, bonus: int, start: int) -> torch.Tensor:
-        """(n_draft, V) logits of the predicting slots (depths 1..n_draft; DFlash: the B−1 masked slots)."""
-        h = self.block_hidden(bonus, start)
-        return self.tm.lm_head(h[0, self.first_slot :].to(self.tm.dtype))
-
-
-class DFlashChain:
-    """DFlash: the per-slot argmax of one block pass, verified as a chain."""
-
-    name, budget, needs_taps = "dflash", None, True
-
-    def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
+    def __init__(self, tm: TargetModel, drafter: Any) -> None:
+        self.tm, self.drafter = tm, drafter
         self.ctx = DrafterContext(drafter, tm)
-        self.verify_size = 1 + self.ctx.n_draft
+        self.n_draft = self.ctx.n_draft
+
+    def attach(self, ctx: DrafterContext) -> None:
+        if ctx.drafter is not self.drafter:
+            raise ValueError("engine: the captured engine was built for another drafter than this method's")
+        self.ctx = ctx
 
     def begin(self, feats: Features) -> None:
+        self.ctx.reset()
         self.ctx.add(feats.taps)
+
+    def observe(self, feats: Features) -> None:
+        self.ctx.add(feats.taps)
+
+
+class DFlashChain(BlockMethod):
+    """DFlash: the per-slot argmax of one block pass, verified as a chain."""
+
+    name, budget = "dflash", None
+
+    def __init__(self, tm: TargetModel, drafter: Any, budget: int | None = None) -> None:
+        super().__init__(tm, drafter)
+        self.verify_size = 1 + self.n_draft
 
     def draft(self, bonus: int, start: int) -> torch.Tensor:
         return self.ctx.block_logits(bonus, start)
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
         return chain_tree(bonus, drafted.argmax(dim=-1).tolist())  # argmax at any temperature
-
-    def observe(self, feats: Features) -> None:
-        self.ctx.add(feats.taps)
 
 
 def tree_budget(method: str, budget: int | None) -> int:

@@ -20,7 +20,7 @@ class Span:
     ids: torch.Tensor  # (1, n) int64
     positions: torch.Tensor  # (n,) rotary position of each token
     depths: torch.Tensor  # (n,) distance from the span's root (a chain: 0..n-1)
-    mask: torch.Tensor | None  # additive (1, 1, n, past + n); None = every row visible (one token)
+    mask: torch.Tensor | None  # additive (1, 1, n, past + n); None = one token, or causal from row 0
     anc: torch.Tensor | None = None  # (n, n) bool ancestor-or-self; None = causal chain
     anc_at: torch.Tensor | None = None  # (n, K) o-th ancestor (−1 past the root); None = chain
     commit_all: bool = False  # prefill/AR: every token is kept, states may advance in place
@@ -31,8 +31,9 @@ class Span:
 
 
 def causal_mask(past: int, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """Additive (1, 1, n, past+n): query j sees rows < past + j + 1. None for n == 1 (sees all)."""
-    if n == 1:
+    """Additive (1, 1, n, past+n): query j sees rows < past + j + 1. None for n == 1 (sees all) and for a
+    chain from row 0 (a prefill: the attention runs SDPA's causal rule, no n × n mask is built)."""
+    if n == 1 or past == 0:
         return None
     cols = torch.arange(past + n, device=device)
     rows = torch.arange(n, device=device)[:, None] + past

@@ -13,7 +13,7 @@ and each program stops at `kv_len` (a device scalar: the span's last slot + 1), 
 committed length rather than the capacity. Rows ≥ kv_len are masked by construction (the mask sees committed
 rows and the span's ancestors only), so the bound changes work, not results.
 
-Invariant: `combine_splits(*split_partials(q, k, v, mask, kv_len, scale))` = `attend_folded(q, k, v, mask,
+Invariant: `combine_splits(*split_partials(q, k, v, mask, kv_len, scale))` = `blocks.attend(q, k, v, mask, False,
 scale)` up to the rounding of a different reduction order (checked on CPU under TRITON_INTERPRET=1 and on CUDA).
 """
 
@@ -118,7 +118,7 @@ def split_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     _, hq, n, hd = q.shape
     hkv, cap, _ = k_cache.shape
     G = (hq // hkv) * n
-    qf = q.reshape(hkv, G, hd)  # same folding as attend_folded: rows (group member, node)
+    qf = q.reshape(hkv, G, hd)  # same folding as blocks.attend: rows (group member, node)
     if qf.stride(-1) != 1:
         qf = qf.contiguous()
     m2 = mask.reshape(G, cap)

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine import gdn
+from draftforge.engine import gdn, split_attention
+from draftforge.engine.blocks import FusedLayer, attend, fold_mask
 from draftforge.engine.span import Span
 from draftforge.engine.state import TargetState
 
@@ -46,6 +46,7 @@ class TargetModel:
     slots: tuple[int, ...] = ()  # per layer: its index among the layers of its kind (state rows)
     gdn: gdn.GDNShape | None = None
     _tap_pos: dict[int, int] = field(default_factory=dict)
+    runtime: Any = None  # LayerRuntime of the eager engine: unfused weights, plain blocks (set by wrap_target)
 
     @property
     def device(self) -> torch.device:
@@ -107,7 +108,7 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         raise ValueError("engine target: GDN conv with a bias is not supported")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     gated = first_attn.q_proj.out_features == 2 * cfg.num_attention_heads * head_dim
-    return TargetModel(
+    tm = TargetModel(
         hf=model,
         embed=base.embed_tokens,
         layers=list(base.layers),
@@ -125,11 +126,10 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         gdn=gdn.gdn_shape(first_gdn) if first_gdn is not None else None,
         _tap_pos={t: i for i, t in enumerate(taps)},
     )
+    from draftforge.engine.fused import plain_blocks
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    tm.runtime = LayerRuntime(fused=[FusedLayer() for _ in kinds], blocks=plain_blocks())
+    return tm
 
 
 def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,118 +142,85 @@ def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor,
     return cos[:, None], sin[:, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (1, heads, n, hd); rotary on the first `rot` dims (rot = hd unless partial), the rest passes."""
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    xr, xp = x[..., :rot], x[..., rot:]
-    return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)
+@dataclass
+class Step:
+    """One forward over a span, as the layers read it (built by the eager `forward` or a captured bucket)."""
+
+    ids: torch.Tensor  # (1, n) token ids
+    positions: torch.Tensor  # (n,) rotary positions
+    slots: torch.Tensor  # (n,) state rows the span's K/V are written to
+    kv_len: int  # attention reads rows 0..kv_len−1 (eager: past + n; static: the whole capacity)
+    mask: torch.Tensor | None  # additive over folded query rows (1, 1, g·n, kv_len); None: all visible
+    causal: bool  # mask None and n > 1: a chain from row 0 (prefill), SDPA's causal rule
+    gdn: gdn.GDNSpan | None  # what GDN layers read (None on attention-only targets)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """SDPA. Without a mask (one decode token) GQA goes to the flash kernel via enable_gqa; with a
-    mask, K/V heads are expanded so CUDA can use the memory-efficient kernel (GQA + mask would fall
-    back to the math kernel). Same math either way."""
-    group = q.shape[1] // k.shape[1]
-    if mask is None or group == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-    b, h, L, d = k.shape
-    k = k[:, :, None].expand(b, h, group, L, d).reshape(b, h * group, L, d)
-    v = v[:, :, None].expand(b, h, group, L, d).reshape(b, h * group, L, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+@dataclass
+class LayerRuntime:
+    """How the layers run: fused weights per layer and the block functions (plain or compiled)."""
+
+    fused: Sequence[FusedLayer]
+    blocks: Any  # fused.LayerBlocks: qkv, post, split, mlp (plain functions or torch.compile'd)
+    split_attention: bool = False  # CUDA: split-KV attention where SDPA would leave SMs idle
+    gdn_mixers: bool = True  # benchmarks only: False skips GDN token mixers (their share of a step)
 
 
-def split_heads(attn: nn.Module, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, n_heads: int, n_kv: int, hd: int, qk_norm: bool, gated: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Projections (1, n, ·) → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
-    n = qg.shape[1]
-    gate = None
-    if gated:
-        qg = qg.reshape(1, n, n_heads, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, n_heads * hd)
-    else:
-        q = qg.reshape(1, n, n_heads, hd)
-    k, v = k.reshape(1, n, n_kv, hd), v.reshape(1, n, n_kv, hd)
-    if qk_norm:  # per-head RMSNorm before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+def run_layers(tm: TargetModel, state: TargetState, step: Step, rt: LayerRuntime,
+               want_taps: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one decoder stack every engine runs: → final-normed states (1, n, H), taps (1, n, n_taps·H) | None.
 
-
-def attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """GQA without expanding K/V: q (1, Hq, n, hd) → (1, Hkv, g·n, hd) against k, v (1, Hkv, L, hd)."""
-    _, hq, n, hd = q.shape
-    hkv = k.shape[1]
-    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-    return o.reshape(1, hq, n, hd)
-
-
-def project_qkv(tm: TargetModel, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x (1, n, H) normed → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
-    return split_heads(attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), cos, sin, tm.num_heads,
-                       tm.num_kv_heads, tm.head_dim, tm.qk_norm, tm.gated_attention)
-
-
-def attention_out(attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """o (1, heads, n, hd) → (1, n, H): output gate (gated attention) and o_proj."""
-    _, hq, n, hd = o.shape
-    o = o.transpose(1, 2).reshape(1, n, hq * hd)
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return attn.o_proj(o)
-
-
-def _attention(tm: TargetModel, attn: nn.Module, x: torch.Tensor, kv: torch.Tensor, past: int,
-               span: Span, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One attention mixer: x (1, n, H) normed → (1, n, H); writes K/V of the span at rows past..past+n−1."""
-    q, k, v, gate = project_qkv(tm, attn, x, cos, sin)
-    end = past + span.n
-    kv[0, :, past:end] = k[0]
-    kv[1, :, past:end] = v[0]
-    o = _attend(q, kv[0, :, :end][None], kv[1, :, :end][None], span.mask, attn.scaling)  # (1, heads, n, hd)
-    return attention_out(attn, o, gate)
-
-
-def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = layer.mlp(x)
-    return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
+    K/V of the span go to `step.slots` with `index_copy_` (outside any compiled block); attention reads
+    rows < kv_len under the mask; GDN layers run the tree form (`gdn.mix`)."""
+    n = step.ids.shape[1]
+    blk = rt.blocks
+    cos, sin = rope_tables(tm, step.positions)
+    taps: list[torch.Tensor] = []
+    h = tm.embed(step.ids)  # (1, n, H)
+    for i, layer in enumerate(tm.layers):
+        s, fl = tm.slots[i], rt.fused[i]
+        if tm.kinds[i] == "attention":
+            attn = layer.self_attn
+            q, k, v, gate = blk.qkv(attn, layer.input_layernorm, fl.wqkv, fl.bqkv, h, cos, sin, fl.q_out, fl.kv_out,
+                                    tm.num_heads, tm.num_kv_heads, tm.head_dim, tm.qk_norm, tm.gated_attention)
+            kv = state.kv[s]  # (2, Hkv, cap, hd)
+            kv[0].index_copy_(1, step.slots, k[0])
+            kv[1].index_copy_(1, step.slots, v[0])
+            kc, vc = kv[0, :, : step.kv_len][None], kv[1, :, : step.kv_len][None]
+            if rt.split_attention and step.mask is not None and split_attention.usable(q, q.shape[1] // kc.shape[1] * n,
+                                                                                        tm.num_kv_heads):
+                kv_len = step.slots[-1:] + 1  # rows past the span's last slot are masked: the kernel stops there
+                parts = split_attention.split_partials(q, kv[0], kv[1], step.mask, kv_len, attn.scaling)
+                h = blk.split(layer, fl.wgu, h, *parts, gate, n)
+            else:
+                o = attend(q, kc, vc, step.mask, step.causal, attn.scaling)
+                h = blk.post(layer, fl.wgu, h, o, gate)
+        else:
+            if rt.gdn_mixers:
+                h = h + gdn.mix(layer.linear_attn, layer.input_layernorm(h), state.conv[s], state.rec[s], step.gdn,
+                                state.scratch, s)
+            h = blk.mlp(layer, fl.wgu, h)
+        if want_taps and i in tm._tap_pos:
+            taps.append(h)
+    return tm.norm(h), (torch.cat(taps, dim=-1) if taps else None)
 
 
 @torch.no_grad()
 def forward(tm: TargetModel, state: TargetState, span: Span, want_taps: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the target over a span written after the committed rows; the caller then commits.
-
-    Returns the final-normed hidden states (1, n, H) (logits = tm.lm_head(h)) and, when want_taps,
-    the tapped layers' outputs concatenated in tap order (1, n, n_taps*H).
-    """
-    n = span.n
-    past = state.length
-    state.reserve(n)
-    cos, sin = rope_tables(tm, span.positions)
-    taps: list[torch.Tensor | None] = [None] * len(tm.tap_ids)
-    h = tm.embed(span.ids)  # (1, n, H)
-    for i, layer in enumerate(tm.layers):
-        x = layer.input_layernorm(h)
-        s = tm.slots[i]
-        if tm.kinds[i] == "attention":
-            h = h + _attention(tm, layer.self_attn, x, state.kv[s], past, span, cos, sin)
-        else:
-            out, state.scratch[s] = gdn.mix(layer.linear_attn, x, state.conv[s], state.rec[s], span.depths,
-                                            span.anc, span.anc_at, span.commit_all)
-            h = h + out
-        h = h + mlp(layer, layer.post_attention_layernorm(h))
-        slot = tm._tap_pos.get(i)
-        if slot is not None and want_taps:
-            taps[slot] = h
+    """The eager engine: run the target over a span written after the committed rows; the caller commits
+    (a `commit_all` span is committed here). → final-normed states (1, n, H) (logits = tm.lm_head(h)) and,
+    when want_taps, the tapped layers' outputs concatenated in tap order (1, n, n_taps·H)."""
+    n, past = span.n, state.length
+    state.reserve(n, verify=not span.commit_all)
+    dev = span.ids.device
+    group = tm.num_heads // tm.num_kv_heads
+    step = Step(ids=span.ids, positions=span.positions, slots=torch.arange(past, past + n, device=dev),
+                kv_len=past + n, mask=fold_mask(span.mask, group), causal=span.mask is None and past == 0,
+                gdn=gdn.GDNSpan(span.depths, span.anc, span.anc_at, None, span.commit_all) if tm.hybrid else None)
+    h, taps = run_layers(tm, state, step, tm.runtime, want_taps)
     if span.commit_all:
         state.commit_all()
-    tapped = torch.cat(taps, dim=-1) if want_taps and taps else None  # type: ignore[arg-type]
-    return tm.norm(h), tapped
+    return h, taps
 
 
 def embed_tokens(tm: TargetModel, ids: Any) -> torch.Tensor:

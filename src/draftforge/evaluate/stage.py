@@ -75,7 +75,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
     head = load_mtp(ctx, cfg, info, device, dtype) if any(m == "mtp" for m, _ in plan) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
-                     engine=captured_engine(cfg, tm, drafter, plan), mtp=head)
+                     engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head)
 
 
 def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
@@ -100,21 +100,20 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
     return head
 
 
-def captured_engine(cfg: EvaluateConfig, tm, drafter, plan):
-    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method
-    ("compiled": the same with fused projections and torch.compile'd layer blocks, docs/architecture.md)."""
+def captured_engine(cfg: EvaluateConfig, tm, drafter, head, plan):
+    """evaluate.engine: None for eager; a captured engine with one verify bucket per planned method, each the
+    method's own verify size ("compiled": the same with fused projections and torch.compile'd layer blocks,
+    docs/architecture.md)."""
     if cfg.engine == "eager":
         return None
     if cfg.engine not in ("captured", "compiled"):
         raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured', 'compiled']")
     from draftforge.engine.graph import CapturedEngine, verify_buckets
+    from draftforge.engine.methods import make_method
 
-    block = drafter.cfg.block_size if drafter is not None else None
-    budgets = [b for _, b in plan if b is not None]  # tree methods: one bucket per budget + 1
-    if any(m == "mtp" for m, _ in plan):  # the MTP chain verifies mtp_drafts + 1 rows
-        budgets.append(int(cfg.mtp_drafts))
+    sizes = [make_method(m, tm, head if m == "mtp" else drafter, b).verify_size for m, b in plan if m != "ar"]
     try:
-        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(block, budgets), drafter=drafter,
+        eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(sizes), drafter=drafter,
                              compile=cfg.engine == "compiled")
     except ValueError as exc:
         raise StageError(f"evaluate.engine={cfg.engine}: {exc}") from None

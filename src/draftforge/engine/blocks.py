@@ -1,0 +1,134 @@
+"""The target decoder layer's math, written once as three blocks that every engine mode calls.
+
+    qkv_block        input norm → q/k/v projections (fused or not) → q/k norms → rotary
+    post_attention   output gate → o_proj → residual → mlp_block
+    mlp_block        post-attention norm → gate/up (fused or not) → act · up → down → residual
+    split_block      post_attention after split-KV attention (split_attention.py): merge the partials first
+
+The eager engine calls them as plain functions; the captured engine calls the same functions, or
+`torch.compile`d versions of them (`fused.layer_blocks`), with the module passed as an argument so one
+compiled graph serves every layer of one structure. Attention itself and the cache writes stay between
+the blocks (`target.run_layers`), so a compiled region never functionalises a write to the whole cache.
+A layer's fused weights (`FusedLayer.wqkv` / `wgu`) are views the HF Linear weights also point at
+(`fused.fuse_projections`); None means the HF projections run one by one — the same function either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftforge.engine.split_attention import combine_splits
+
+
+@dataclass
+class FusedLayer:
+    """Per target layer: the fused projection weights, or None where the HF projections run one by one."""
+
+    wqkv: torch.Tensor | None = None  # (q_out + 2·kv_out, H) attention layers only
+    bqkv: torch.Tensor | None = None  # qwen2-style q/k/v biases, fused the same way
+    q_out: int = 0  # rows of wqkv that are q (and the output gate, for gated attention)
+    kv_out: int = 0
+    wgu: torch.Tensor | None = None  # (2·I, H) dense gate/up MLPs only (None: MoE or unfused)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (1, heads, n, hd); rotary on the first `rot` dims (rot = hd unless partial), the rest passes."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)
+
+
+def split_heads(attn: nn.Module, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, n_heads: int, n_kv: int, hd: int, qk_norm: bool, gated: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Projections (1, n, ·) → q (1, heads, n, hd), k, v (1, kv_heads, n, hd) with rotary, output gate or None."""
+    n = qg.shape[1]
+    gate = None
+    if gated:
+        qg = qg.reshape(1, n, n_heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, n, n_heads * hd)
+    else:
+        q = qg.reshape(1, n, n_heads, hd)
+    k, v = k.reshape(1, n, n_kv, hd), v.reshape(1, n, n_kv, hd)
+    if qk_norm:  # per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, n, hd)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor | None, bqkv: torch.Tensor | None,
+              h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: int, kv_out: int, n_heads: int,
+              n_kv: int, hd: int, qk_norm: bool, gated: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """h (1, n, H) → q (1, Hq, n, hd), k, v (1, Hkv, n, hd) with rotary, output gate (1, n, Hq·hd) or None."""
+    x = norm(h)
+    if wqkv is None:
+        qg, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    else:
+        qg, k, v = F.linear(x, wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
+    return split_heads(attn, qg, k, v, cos, sin, n_heads, n_kv, hd, qk_norm, gated)
+
+
+def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+    """h (1, n, H) → h + MLP(post-attention norm(h)); fused gate/up when the MLP is dense and fused."""
+    x = layer.post_attention_layernorm(h)
+    m = layer.mlp
+    if wgu is None:
+        out = m(x)
+        return h + (out[0] if isinstance(out, tuple) else out)  # some MoE blocks also return router logits
+    g, u = F.linear(x, wgu).chunk(2, dim=-1)
+    return h + m.down_proj(m.act_fn(g) * u)
+
+
+def attention_out(attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o (1, heads, n, hd) → (1, n, H): output gate (gated attention) and o_proj."""
+    _, hq, n, hd = o.shape
+    o = o.transpose(1, 2).reshape(1, n, hq * hd)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return attn.o_proj(o)
+
+
+def post_attention(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, o: torch.Tensor,
+                   gate: torch.Tensor | None) -> torch.Tensor:
+    """Attention output o (1, Hq, n, hd) → o_proj, residual, MLP block."""
+    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
+
+
+def split_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, acc: torch.Tensor, mx: torch.Tensor,
+                sm: torch.Tensor, gate: torch.Tensor | None, n: int) -> torch.Tensor:
+    """`post_attention` after split-KV attention: partials (split_attention.split_partials) of n query nodes."""
+    return post_attention(layer, wgu, h, combine_splits(acc, mx, sm, n, h.dtype), gate)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float | None) -> torch.Tensor:
+    """Attention of q (1, Hq, n, hd) over k, v (1, Hkv, L, hd) → (1, Hq, n, hd), GQA without expanding K/V.
+
+    mask: additive over the folded query rows (1, 1, g·n, L) (row = query head in group × node), or None
+    (every key visible; with `causal`, SDPA's causal rule over a span that starts at row 0)."""
+    _, hq, n, hd = q.shape
+    hkv = k.shape[1]
+    if mask is None and causal and n > 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(1, hq, n, hd)
+
+
+def fold_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """(1, 1, n, L) → (1, 1, group·n, L): the same rows for every query head of a KV group."""
+    if mask is None or group == 1:
+        return mask
+    return mask.repeat(1, 1, group, 1)
