@@ -127,3 +127,41 @@ def test_two_gloo_ranks_of_one_sequence_match_one_process_of_two(tiny_target_inf
     for k, v in single.selected().items():  # rank 0 holds the selected weights
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-3, atol=2e-4)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008.pt"  # rank 0 wrote the checkpoints
+
+
+def _stop_worker(rank: int, world: int, info: dict, data_path: str, root: str, out: str) -> None:
+    """Uninterrupted; then rank 1 alone asked to stop in step 4; then the rerun: all in one gloo group."""
+    items = torch.load(data_path, weights_only=False)
+    full = _train(info, items, Path(root) / "full", rank=rank, world=world)
+    part = _train(info, items, Path(root) / "resumed", rank=rank, world=world, stop=StopAfter(4) if rank == 1 else None)
+    rest = _train(info, items, Path(root) / "resumed", rank=rank, world=world)
+
+    def dump(r):
+        return {"step": r.step, "interrupted": r.interrupted, "resumed_from": r.resumed_from, "history": r.history,
+                "evals": r.evals, "best": r.best, "last": r.model.state_dict(), "selected": r.selected()}
+
+    torch.save({"full": dump(full), "part": dump(part), "rest": dump(rest)}, f"{out}.{rank}")
+
+
+def test_one_ranks_stop_vote_stops_every_rank_and_the_mtp_run_resumes_bit_identically(tiny_target_info, items, tmp_path):
+    """The MTP head through the one loop (train/trainer.py), 2 gloo ranks: a stop asked of rank 1 only is summed
+    over ranks, so both ranks stop after step 4; rank 0 writes step 4's checkpoint (not a ckpt_every step);
+    the rerun resumes there and ends with the uninterrupted run's history, val history, best and weights."""
+    torch.save(items, tmp_path / "items.pt")
+    spawn_gloo(_stop_worker, 2, tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path), str(tmp_path / "out"))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["part"]["interrupted"] and r["part"]["step"] == 4 and len(r["part"]["history"]) == 4
+        assert r["rest"]["resumed_from"] == 4 and r["rest"]["step"] == 8 and not r["rest"]["interrupted"]
+        assert r["full"]["resumed_from"] is None and r["full"]["step"] == 8
+        for key in ("history", "evals", "best"):
+            assert r["rest"][key] == r["full"][key], key
+        for k, v in r["full"]["last"].items():
+            assert torch.equal(r["rest"]["last"][k], v), k
+    assert r1["full"]["history"] == r0["full"]["history"]  # ranks agree
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step-00000008.pt"
+    saved = torch.load(tmp_path / "resumed" / "step-00000008.pt", weights_only=True)
+    assert saved["step"] == 8 and saved["best_model"] is not None and saved["best"] == r0["full"]["best"]
+    for k, v in r0["full"]["selected"].items():  # rank 0: the best val τ weights, whether resumed or not
+        assert torch.equal(r0["rest"]["selected"][k], v), k
+    assert {"lr", "grad_norm", "epoch"} <= set(r0["full"]["history"][0])  # the loop's record, as a drafter's
