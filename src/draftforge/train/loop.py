@@ -130,10 +130,6 @@ def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str,
     return Objective(weights, conf, cfg.loss_vocab_chunk, acceptance_weighting)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor,
                       obj: Objective) -> BlockOutputs:
     """Valid slots through the distribution objective (+ Markov bias and confidence for DSpark)."""
@@ -149,7 +145,7 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         pos = (batch.anchors[:, :, None] + k + batch.pred_offset - 1).clamp(0, batch.last.shape[1] - 1)  # (S, N, B)
         seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
         ht = batch.last[seq.reshape(-1)[flat], pos.reshape(-1)[flat]].to(hv.dtype)
-    raw = _unwrap(model)
+    raw = model
     e = w2 = conf_logit = None
     if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
         e = raw.markov_embed(prev).to(hv.dtype)
