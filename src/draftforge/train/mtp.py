@@ -27,6 +27,7 @@ from draftforge.train.branch import Branch, check_disk, open_device
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import FeatureSource, _hash_seed, truncate
 from draftforge.train.head import FrozenTargetHead
+from draftforge.train.loop import val_indices
 from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, run
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,6 @@ class MTPTask:
     name, select = "train mtp", "val_mtp_sim_tau"
 
     def __init__(self, inp: MTPInputs) -> None:
-        from draftforge.train.loop import val_indices
-
         self.inp, self.cfg, self.n_train = inp, inp.cfg, len(inp.train_source)
         self.model = inp.head.to(inp.device).train()
         picked = val_indices(len(inp.val_source), self.cfg.val_max_seqs) if inp.val_source is not None else []
