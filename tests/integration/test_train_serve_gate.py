@@ -91,9 +91,10 @@ def test_overfit_mtp_head_gets_drafts_accepted_in_vllm(tiny_target_info, tmp_pat
     matches the standalone engine's `mtp` τ on the same prompt."""
     from draftforge.drafter.mtp import MTP_TARGET_OVERRIDES, export_mimo_head, load_mtp_head, new_trained_head
     from draftforge.engine import generate, make_method, wrap_target
+    from draftforge.train.config import TrainConfig
     from draftforge.train.data import InMemorySource
     from draftforge.train.head import FrozenTargetHead
-    from draftforge.train.mtp import train_mtp
+    from draftforge.train.mtp import MTPInputs, train_mtp
 
     info, k = tiny_target_info, 3
     target = load_target(info)
@@ -108,13 +109,15 @@ def test_overfit_mtp_head_gets_drafts_accepted_in_vllm(tiny_target_info, tmp_pat
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices
     try:
-        res = train_mtp(head, FrozenTargetHead.from_target(info["hf_path"]), src, src, steps=60,
-                        lr=3e-3, depth=k, rows=0, val_drafts=k, eval_every=30, max_len=512, val_max_seqs=1)
+        cfg = TrainConfig(mtp_steps=60, mtp_lr=3e-3, mtp_depth=k, mtp_rows=10**9, mtp_val_drafts=k, mtp_eval_every=30,
+                          max_seq_len=512, val_max_seqs=1)  # mtp_rows above any row count: every row
+        res = train_mtp(MTPInputs(cfg, head, FrozenTargetHead.from_target(info["hf_path"]), src, src))
     finally:
         torch.set_num_threads(threads)
     print("mtp loss", res.history[0]["mtp_loss"], "->", res.history[-1]["mtp_loss"], "val", res.best)
     assert res.best["val_mtp_acc_1"] >= 0.9, res.evals
-    export_mimo_head(res.head, tmp_path / "mtp", info["hf_path"], dtype=torch.float32)
+    head.load_state_dict(res.selected())
+    export_mimo_head(head, tmp_path / "mtp", info["hf_path"], dtype=torch.float32)
 
     tm = wrap_target(target)
     served = load_mtp_head(tmp_path / "mtp")

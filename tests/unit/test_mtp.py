@@ -186,8 +186,9 @@ def test_recursive_training_rows_match_engine_drafting():
 
 def test_mtp_training_loss_decreases():
     """A trained head on a tiny target: training loss falls; simulated τ on seen sequences rises above 1."""
+    from draftforge.train.config import TrainConfig
     from draftforge.train.head import FrozenTargetHead
-    from draftforge.train.mtp import train_mtp
+    from draftforge.train.mtp import MTPInputs, train_mtp
 
     tm = tiny_target(seed=5, vocab=64)
     head = MTPHead(trained_head_config(tm.hf.config.to_dict()), "mimo", "trained")
@@ -204,8 +205,9 @@ def test_mtp_training_loss_decreases():
     from draftforge.train.data import InMemorySource
 
     frozen = FrozenTargetHead(tm.embed.weight.detach().clone(), tm.lm_head.weight.detach().clone())
-    res = train_mtp(head, frozen, InMemorySource(items[:10]), InMemorySource(items[:2]), steps=60, lr=3e-3,
-                    depth=2, rows=64, val_drafts=3, eval_every=30, max_len=64, val_max_seqs=2)
+    cfg = TrainConfig(mtp_steps=60, mtp_lr=3e-3, mtp_depth=2, mtp_rows=64, mtp_val_drafts=3, mtp_eval_every=30,
+                      max_seq_len=64, val_max_seqs=2)
+    res = train_mtp(MTPInputs(cfg, head, frozen, InMemorySource(items[:10]), InMemorySource(items[:2])))
     first, last = sum(r["mtp_loss"] for r in res.history[:5]) / 5, sum(r["mtp_loss"] for r in res.history[-5:]) / 5
     assert last < 0.7 * first, (first, last)
     assert res.best is not None and res.best["val_mtp_sim_tau"] > 1.3, res.evals

@@ -16,13 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.drafter.mtp import new_trained_head  # noqa: E402
+from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.data import InMemorySource  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
-from draftforge.train.mtp import train_mtp  # noqa: E402
+from draftforge.train.mtp import MTPInputs, train_mtp  # noqa: E402
 from train_fixtures import StopAfter, load_target, spawn_gloo, tapped_features, with_last  # noqa: E402
 
-ARGS = dict(steps=8, lr=1e-2, depth=2, rows=12, val_drafts=2, eval_every=2, max_len=40, val_max_seqs=2, seed=0,
-            ckpt_every=3, keep_checkpoints=2, resume_key="k")
+CFG = dict(mtp_steps=8, mtp_lr=1e-2, mtp_depth=2, mtp_rows=12, mtp_val_drafts=2, mtp_eval_every=2, max_seq_len=40,
+           val_max_seqs=2, seed=0, ckpt_every=3, keep_checkpoints=2)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,13 @@ def items(tiny_target_info):
     return with_last(tiny_target_info, items, model)
 
 
-def _train(info: dict, items, ckpt: Path | None, train_src=None, **kw):
+def _train(info: dict, items, ckpt: Path | None, train_src=None, batch_seqs: int = 1, resume_key: str = "k", **kw):
     torch.manual_seed(0)
     head, _ = new_trained_head(info["hf_path"], seed=0)
     frozen = FrozenTargetHead.from_target(info["hf_path"])
-    return train_mtp(head, frozen, train_src or InMemorySource(items[:6]), InMemorySource(items[6:]), ckpt_dir=ckpt,
-                     **{**ARGS, **kw})
+    cfg = TrainConfig(**CFG, mtp_batch_seqs=batch_seqs)
+    return train_mtp(MTPInputs(cfg, head, frozen, train_src or InMemorySource(items[:6]), InMemorySource(items[6:]),
+                               ckpt_dir=ckpt, resume_key=resume_key, **kw))
 
 
 class CrashAt(InMemorySource):
@@ -65,8 +67,10 @@ class CrashAt(InMemorySource):
 
 def _same(a, b) -> None:
     assert a.history == b.history and a.evals == b.evals and a.best == b.best
-    for k, v in a.head.state_dict().items():
-        assert torch.equal(b.head.state_dict()[k], v), k
+    for k, v in a.model.state_dict().items():  # the last weights
+        assert torch.equal(b.model.state_dict()[k], v), k
+    for k, v in a.selected().items():  # the selected (best val τ) weights
+        assert torch.equal(b.selected()[k], v), k
 
 
 @pytest.mark.parametrize("how", ["stop", "crash"])
@@ -104,7 +108,7 @@ def _worker(rank: int, world: int, info: dict, data_path: str, ckpt: str, out: s
     items = torch.load(data_path, weights_only=False)
     res = _train(info, items, Path(ckpt), batch_seqs=1, rank=rank, world=world)
     torch.save({"history": res.history, "evals": res.evals, "best": res.best,
-                "weights": {k: v.clone() for k, v in res.head.state_dict().items()}}, f"{out}.{rank}")
+                "weights": {k: v.clone() for k, v in res.selected().items()}}, f"{out}.{rank}")
 
 
 def test_two_gloo_ranks_of_one_sequence_match_one_process_of_two(tiny_target_info, items, tmp_path):
@@ -120,6 +124,44 @@ def test_two_gloo_ranks_of_one_sequence_match_one_process_of_two(tiny_target_inf
     assert r0["best"]["step"] == single.best["step"] and len({e["val_mtp_sim_tau"] for e in single.evals}) > 1
     for e2, e1 in zip(r0["evals"], single.evals, strict=True):
         assert e2.keys() == e1.keys() and all(e2[k] == pytest.approx(e1[k], abs=1e-6) for k in e1)
-    for k, v in single.head.state_dict().items():  # rank 0 holds the selected weights
+    for k, v in single.selected().items():  # rank 0 holds the selected weights
         torch.testing.assert_close(r0["weights"][k], v, rtol=1e-3, atol=2e-4)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008.pt"  # rank 0 wrote the checkpoints
+
+
+def _stop_worker(rank: int, world: int, info: dict, data_path: str, root: str, out: str) -> None:
+    """Uninterrupted; then rank 1 alone asked to stop in step 4; then the rerun: all in one gloo group."""
+    items = torch.load(data_path, weights_only=False)
+    full = _train(info, items, Path(root) / "full", rank=rank, world=world)
+    part = _train(info, items, Path(root) / "resumed", rank=rank, world=world, stop=StopAfter(4) if rank == 1 else None)
+    rest = _train(info, items, Path(root) / "resumed", rank=rank, world=world)
+
+    def dump(r):
+        return {"step": r.step, "interrupted": r.interrupted, "resumed_from": r.resumed_from, "history": r.history,
+                "evals": r.evals, "best": r.best, "last": r.model.state_dict(), "selected": r.selected()}
+
+    torch.save({"full": dump(full), "part": dump(part), "rest": dump(rest)}, f"{out}.{rank}")
+
+
+def test_one_ranks_stop_vote_stops_every_rank_and_the_mtp_run_resumes_bit_identically(tiny_target_info, items, tmp_path):
+    """The MTP head through the one loop (train/trainer.py), 2 gloo ranks: a stop asked of rank 1 only is summed
+    over ranks, so both ranks stop after step 4; rank 0 writes step 4's checkpoint (not a ckpt_every step);
+    the rerun resumes there and ends with the uninterrupted run's history, val history, best and weights."""
+    torch.save(items, tmp_path / "items.pt")
+    spawn_gloo(_stop_worker, 2, tiny_target_info, str(tmp_path / "items.pt"), str(tmp_path), str(tmp_path / "out"))
+    r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=False) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["part"]["interrupted"] and r["part"]["step"] == 4 and len(r["part"]["history"]) == 4
+        assert r["rest"]["resumed_from"] == 4 and r["rest"]["step"] == 8 and not r["rest"]["interrupted"]
+        assert r["full"]["resumed_from"] is None and r["full"]["step"] == 8
+        for key in ("history", "evals", "best"):
+            assert r["rest"][key] == r["full"][key], key
+        for k, v in r["full"]["last"].items():
+            assert torch.equal(r["rest"]["last"][k], v), k
+    assert r1["full"]["history"] == r0["full"]["history"]  # ranks agree
+    assert (tmp_path / "resumed" / "latest").read_text().strip() == "step-00000008.pt"
+    saved = torch.load(tmp_path / "resumed" / "step-00000008.pt", weights_only=True)
+    assert saved["step"] == 8 and saved["best_model"] is not None and saved["best"] == r0["full"]["best"]
+    for k, v in r0["full"]["selected"].items():  # rank 0: the best val τ weights, whether resumed or not
+        assert torch.equal(r0["rest"]["selected"][k], v), k
+    assert {"lr", "grad_norm", "epoch"} <= set(r0["full"]["history"][0])  # the loop's record, as a drafter's

@@ -1,45 +1,34 @@
-"""The training loop: DFlash blocks, decayed CE, AdamW + cosine/warmup, clip, DDP, eval, resume.
+"""The block drafters' task in the one training loop (train/trainer.py): DFlash / DSpark blocks, the decayed
+CE or the distribution objective (train/dspark_loss.py), block val metrics, warm starts.
 
 Distributed invariant: each rank takes `batch_seqs` sequences per step (global batch = batch_seqs x
-world); the loss is normalized by the *global* sum of valid-slot weights and scaled by the world size
-(DDP averages gradients), so W ranks of b sequences compute exactly the gradient one process computes
-on the same W*b sequences.
+world); the loss is normalized by the *global* sum of valid-slot weights (summed over ranks in the
+loop's one per-step all-reduce) and the loop sums the gradients over ranks, so W ranks of b sequences
+compute exactly the gradient one process computes on the same W*b sequences.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.drafter.settings import default_loss_weights
-from draftforge.train.checkpoint import load_latest, rng_state, save_best, save_checkpoint, set_rng_state
 from draftforge.train.config import TrainConfig
-from draftforge.train.data import (
-    Batch,
-    FeatureSource,
-    Prefetcher,
-    collate,
-    draw_anchors,
-    epoch_order,
-    rank_share,
-    truncate,
-)
+from draftforge.train.data import Batch, FeatureSource, collate, draw_anchors, truncate
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
+from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, lr_lambda, run
+
+__all__ = ["TrainInputs", "TrainResult", "BlockTask", "train", "lr_lambda"]
 
 log = logging.getLogger(__name__)
 VAL_SEED_OFFSET = 1_000_003
@@ -65,18 +54,7 @@ class TrainInputs:
     stop: Any = None  # a train.stop.StopRequest: asked once per step whether to stop after it (None: never)
 
 
-@dataclass
-class TrainResult:
-    model: DFlashDrafter
-    history: list[dict[str, float]]
-    evals: list[dict[str, float]]
-    best: dict[str, Any] | None
-    step: int
-    total_steps: int
-    interrupted: bool = False
-    # Steady-state speed of this process's steps (first 2 excluded: compile/warm-up), evals and
-    # checkpoints excluded: {"steps", "seconds", "ctx_tokens_per_s", "block_tokens_per_s"} (global).
-    throughput: dict[str, float] | None = None
+TrainResult = LoopResult  # .model holds the last weights, .best_state (rank 0) the best val step's
 
 
 def global_batch(cfg: TrainConfig, world: int) -> int:
@@ -89,18 +67,6 @@ def total_steps(cfg: TrainConfig, n_seq: int, world: int = 1) -> tuple[int, int]
     per_epoch = -(-n_seq // global_batch(cfg, world))
     total = cfg.max_steps if cfg.max_steps > 0 else per_epoch * cfg.epochs
     return per_epoch, total
-
-
-def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
-    warmup = max(1, round(total * warmup_ratio)) if warmup_ratio > 0 else 0
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -131,41 +97,6 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
-
-
-def save_checkpoint_rank0(ckpt_dir: Path, step: int, payload: Callable[[], dict[str, Any]], *, keep: int, rank: int,
-                          world: int) -> None:
-    """Rank 0 writes `payload()` as the step's checkpoint (atomically, `latest` names it, `keep` newest kept);
-    every rank waits for it, so no rank runs ahead of the newest checkpoint."""
-    if rank == 0:
-        save_checkpoint(ckpt_dir, step, payload(), keep=keep)
-    if world > 1:
-        dist.barrier()
-
-
-def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t)
-    return t
-
-
-def batches(inp: TrainInputs, start_step: int, per_epoch: int, total: int) -> Iterator[tuple[int, int, Batch]]:
-    """(global step, epoch, batch) from start_step on; this rank's share of each global batch."""
-    cfg, dcfg = inp.cfg, inp.dcfg
-    feat_dtype = compute_dtype(cfg, inp.device)
-    step = start_step
-    while step < total:
-        epoch, in_epoch = divmod(step, per_epoch)
-        order = epoch_order(len(inp.train_source), global_batch(cfg, inp.world), cfg.seed, epoch)
-        for seqs_of_step in order[in_epoch:]:
-            if step >= total:
-                return
-            mine = rank_share(seqs_of_step, inp.rank, inp.world)
-            items = [truncate(inp.train_source[i], cfg.max_seq_len) for i in mine]
-            anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, mine)]
-            batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, feat_dtype, *convention(dcfg))
-            yield step, epoch, (batch.pin_memory() if inp.device.type == "cuda" else batch)
-            step += 1
 
 
 def convention(dcfg: DFlashConfig) -> tuple[int, int]:
@@ -199,10 +130,6 @@ def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str,
     return Objective(weights, conf, cfg.loss_vocab_chunk, acceptance_weighting)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor,
                       obj: Objective) -> BlockOutputs:
     """Valid slots through the distribution objective (+ Markov bias and confidence for DSpark)."""
@@ -218,7 +145,7 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         pos = (batch.anchors[:, :, None] + k + batch.pred_offset - 1).clamp(0, batch.last.shape[1] - 1)  # (S, N, B)
         seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
         ht = batch.last[seq.reshape(-1)[flat], pos.reshape(-1)[flat]].to(hv.dtype)
-    raw = _unwrap(model)
+    raw = model
     e = w2 = conf_logit = None
     if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
         e = raw.markov_embed(prev).to(hv.dtype)
@@ -287,14 +214,14 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
             ana = part if ana is None else ana + part
         loss_sums += torch.stack([out.weighted_ce_sum.detach().double(), out.weight_sum.double()])
     model.train(was_training)
-    _all_reduce(sums, inp.world)
-    _all_reduce(loss_sums, inp.world)
+    all_reduce(sums, inp.world)
+    all_reduce(loss_sums, inp.world)
     metrics = {f"val_{k}": v for k, v in summarize(sums.cpu(), B, first).items()}
     if obj is not None and obj.needs_target:
         if ana is None:  # this rank had no rows: zeros keep the all-reduce in step
             ana = analytic_stats(torch.zeros(0, device=inp.device), None, torch.zeros(0, dtype=torch.long, device=inp.device),
                                  torch.zeros(0, dtype=torch.long, device=inp.device), 0, n_draft)
-        _all_reduce(ana, inp.world)
+        all_reduce(ana, inp.world)
         with_conf = is_dspark(dcfg) and dcfg.enable_confidence_head
         metrics.update({f"val_{k}": v for k, v in summarize_analytic(ana.cpu(), n_draft, with_conf).items()})
     metrics["val_loss"] = float(loss_sums[0] / loss_sums[1]) if loss_sums[1] > 0 else float("nan")
@@ -342,192 +269,72 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
     model.load_state_dict(backbone, strict=False)
 
 
-@dataclass
-class TrainState:
-    """What a checkpoint holds and each optimizer step advances."""
-
-    model: DFlashDrafter
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    step: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-    evals: list[dict[str, float]] = field(default_factory=list)
-    best: dict[str, Any] | None = None
-
-    def payload(self, inp: TrainInputs) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "step": self.step, "history": self.history, "evals": self.evals, "best": self.best, "rng": rng_state(),
-                "resume_key": inp.resume_key, "dcfg": inp.dcfg.to_dict()}  # fmt: skip
 
 
-def new_state(inp: TrainInputs, total: int) -> TrainState:
-    """A fresh model and optimizer, or the newest checkpoint with this resume key restored into them."""
-    cfg = inp.cfg
-    model = build_model(inp)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            fused=inp.device.type == "cuda")
-    state = TrainState(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio)))
-    payload = load_latest(inp.ckpt_dir, inp.resume_key)
-    if payload is not None:
-        model.load_state_dict(payload["model"])
-        opt.load_state_dict(payload["optimizer"])
-        state.sched.load_state_dict(payload["scheduler"])
-        state.step, state.history, state.evals, state.best = payload["step"], payload["history"], payload["evals"], payload["best"]
-        set_rng_state(payload["rng"])
-    return state
+class BlockTask:
+    """The block drafters (DFlash, DSpark) as a `trainer.TrainTask`: a step's batch is `batch_seqs` sequences with
+    `num_anchors` blocks each (anchors drawn from (seed, epoch, sequence)); its loss is the weighted CE (or the
+    distribution objective) summed over this rank's valid slots ÷ the global weight sum."""
 
+    select = "val_sim_tau"
 
-def training_module(model: DFlashDrafter, inp: TrainInputs) -> torch.nn.Module:
-    """What the forward runs through: DDP over ranks (else the model itself), draft layers compiled on request."""
-    if inp.cfg.compile:  # per layer: the mask is built outside the compiled regions
-        for layer in model.layers:
-            layer.compile()
-        compile_loss()
-    if inp.world > 1:
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[inp.device.index] if inp.device.type == "cuda" else None)
-    return model
+    def __init__(self, inp: TrainInputs) -> None:
+        cfg, dcfg = inp.cfg, inp.dcfg
+        self.inp, self.name, self.n_train = inp, "train", len(inp.train_source)
+        self.dtype = compute_dtype(cfg, inp.device)
+        self.first = convention(dcfg)[0]
+        self.weights = slot_weights(dcfg.block_size, cfg.loss_gamma, self.first).to(inp.device)  # (B,)
+        self.obj = make_objective(cfg, dcfg, inp.loss_weights, inp.acceptance_weighting)
+        self.model = build_model(inp)
+        if cfg.compile:  # per layer: the mask is built outside the compiled regions
+            for layer in self.model.layers:
+                layer.compile()
+            compile_loss()
 
+    def batch(self, seqs: list[int], step: int, epoch: int) -> Batch:
+        cfg, dcfg = self.inp.cfg, self.inp.dcfg
+        items = [truncate(self.inp.train_source[i], cfg.max_seq_len) for i in seqs]
+        anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, seqs)]
+        batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, self.dtype, *convention(dcfg))
+        return batch.pin_memory() if self.inp.device.type == "cuda" else batch
 
-@dataclass
-class StepContext:
-    """The per-run constants an optimizer step needs."""
+    def forward(self, batch: Batch) -> Pending:
+        """sums = [weight sum, weighted CE sum, context tokens, block tokens] of this rank's valid slots."""
+        batch = batch.to(self.inp.device)
+        with _autocast(self.inp.device, self.dtype):
+            out = forward_batch(self.model, self.inp.head, batch, self.weights, self.inp.cfg.attn_impl, self.obj)
+        n_blk = batch.valid[..., self.first].sum().double() * self.inp.dcfg.block_size
+        sums = torch.stack([out.weight_sum.double(), out.weighted_ce_sum.detach().double(),
+                            torch.tensor(float(batch.n_tokens), dtype=torch.float64, device=n_blk.device), n_blk])
+        return Pending(sums, out)
 
-    fwd: torch.nn.Module  # training_module(model)
-    weights: torch.Tensor  # (B,) slot weights
-    obj: Objective | None
-    dtype: torch.dtype
-    first_slot: int
+    def backward(self, pending: Pending, sums: torch.Tensor) -> StepOut:
+        w_global = sums[0].float().clamp_min(1e-6)
+        (pending.state.weighted_ce_sum / w_global).backward()  # this rank's part of the global mean
+        return StepOut({"loss": float(sums[1] / w_global)}, {"ctx_tokens": float(sums[2]), "block_tokens": float(sums[3])})
 
-
-def optimizer_step(state: TrainState, sc: StepContext, inp: TrainInputs, batch: Batch) -> tuple[dict[str, float], torch.Tensor]:
-    """One step on this rank's share of the global batch → (record, globally summed [weight, weighted CE,
-    context tokens, block tokens, stop votes]). Summing the stop votes with the loss terms costs no extra
-    collective and makes every rank stop after the same step."""
-    cfg, dcfg = inp.cfg, inp.dcfg
-    batch = batch.to(inp.device)
-    with _autocast(inp.device, sc.dtype):
-        out = forward_batch(sc.fwd, inp.head, batch, sc.weights, cfg.attn_impl, sc.obj)
-    stop_vote = 1.0 if inp.stop is not None and inp.stop.requested() else 0.0
-    sums = torch.stack([out.weight_sum.float(), out.weighted_ce_sum.detach().float(),
-                        torch.tensor(float(batch.n_tokens), device=inp.device),
-                        batch.valid[..., sc.first_slot].sum().float() * dcfg.block_size,
-                        torch.tensor(stop_vote, device=inp.device)])  # fmt: skip
-    _all_reduce(sums, inp.world)
-    w_global = sums[0].clamp_min(1e-6)
-    (out.weighted_ce_sum / w_global * inp.world).backward()  # DDP averages: x world gives the global-batch gradient
-    params = [p for p in state.model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-    state.opt.step()
-    state.sched.step()
-    state.opt.zero_grad(set_to_none=True)
-    state.step += 1
-    rec = {"step": state.step, "loss": float(sums[1] / w_global), "lr": state.sched.get_last_lr()[0],
-           "grad_norm": float(grad_norm)}  # float(): syncs the device, so step times are real
-    return rec, sums
-
-
-class Throughput:
-    """Steady-state speed (the first two steps of a process excluded: compile / warm-up) and the rate over
-    each logging window; evals and checkpoints are outside the timed spans."""
-
-    def __init__(self, first_step: int) -> None:
-        self.first_step = first_step
-        self.total = {"steps": 0.0, "seconds": 0.0, "ctx_tokens": 0.0, "block_tokens": 0.0}
-        self.window_start, self.window_ctx, self.window_blk = time.perf_counter(), 0.0, 0.0
-        self.step_start = time.perf_counter()
-
-    def begin_step(self) -> None:
-        self.step_start = time.perf_counter()
-
-    def end_step(self, step_index: int, ctx_tokens: float, block_tokens: float) -> None:
-        self.window_ctx += ctx_tokens
-        self.window_blk += block_tokens
-        if step_index >= self.first_step + 2:
-            for key, v in (("steps", 1.0), ("seconds", time.perf_counter() - self.step_start),
-                           ("ctx_tokens", ctx_tokens), ("block_tokens", block_tokens)):  # fmt: skip
-                self.total[key] += v
-
-    def window(self) -> dict[str, float]:
-        """Tokens/s since the last call (the logging window); starts the next window."""
-        dt = max(time.perf_counter() - self.window_start, 1e-9)
-        rates = {"ctx_tokens_per_s": self.window_ctx / dt, "block_tokens_per_s": self.window_blk / dt}
-        self.window_start, self.window_ctx, self.window_blk = time.perf_counter(), 0.0, 0.0
-        return rates
-
-    def summary(self) -> dict[str, float] | None:
-        t = self.total
-        if t["seconds"] <= 0:
+    def validate(self) -> dict[str, float] | None:
+        if self.inp.val_source is None:
             return None
-        return {"steps": t["steps"], "seconds": t["seconds"], "ctx_tokens_per_s": t["ctx_tokens"] / t["seconds"],
-                "block_tokens_per_s": t["block_tokens"] / t["seconds"]}  # fmt: skip
+        return evaluate(self.model, self.inp, self.dtype)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"dcfg": self.inp.dcfg.to_dict()}
 
 
-def validate(state: TrainState, inp: TrainInputs, dtype: torch.dtype) -> None:
-    """Val metrics at this step into state.evals; a new best (val_sim_tau) is kept as best.pt (rank 0)."""
-    if inp.val_source is None:
-        return
-    metrics = evaluate(state.model, inp, dtype)
-    metrics["step"] = state.step
-    state.evals.append(metrics)
-    rank0 = inp.rank == 0
-    if state.best is None or metrics["val_sim_tau"] > state.best["val_sim_tau"]:
-        state.best = dict(metrics)
-        if rank0:
-            save_best(inp.ckpt_dir, state.model.state_dict(), {"metrics": state.best, "resume_key": inp.resume_key})
-    if rank0 and inp.logger is not None:
-        inp.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=state.step)
-    if rank0:
-        log.info("step %d: val loss %.4f acc %.3f sim_tau %.3f", state.step, metrics["val_loss"], metrics["val_acc"],
-                 metrics["val_sim_tau"])
+def loop_spec(inp: TrainInputs, total: int) -> LoopSpec:
+    cfg = inp.cfg
+    return LoopSpec(total=total, batch_seqs=cfg.batch_seqs, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                    warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio, grad_clip=cfg.grad_clip, seed=cfg.seed,
+                    eval_every=cfg.eval_every, log_every=cfg.log_every, ckpt_every=cfg.ckpt_every,
+                    keep_checkpoints=cfg.keep_checkpoints, prefetch=cfg.prefetch, ckpt_dir=inp.ckpt_dir,
+                    resume_key=inp.resume_key, device=inp.device, rank=inp.rank, world=inp.world, logger=inp.logger,
+                    stop=inp.stop)  # fmt: skip
 
 
 def train(inp: TrainInputs) -> TrainResult:
-    """Train (or resume) to cfg's total steps. `inp.stop` (a StopRequest) ends the run early after a step,
-    with a checkpoint of that step written: the result is then `interrupted` and a rerun resumes there."""
-    cfg, dcfg, rank0 = inp.cfg, inp.dcfg, inp.rank == 0
-    if cfg.batch_seqs < 1:
-        raise ValueError(f"train.batch_seqs={cfg.batch_seqs}: need >= 1 sequence per rank")
-    per_epoch, total = total_steps(cfg, len(inp.train_source), inp.world)
-    dtype = compute_dtype(cfg, inp.device)
-    state = new_state(inp, total)
-    first = convention(dcfg)[0]
-    sc = StepContext(training_module(state.model, inp), slot_weights(dcfg.block_size, cfg.loss_gamma, first).to(inp.device),
-                     make_objective(cfg, dcfg, inp.loss_weights, inp.acceptance_weighting), dtype, first)
-
-    def checkpoint() -> None:
-        save_checkpoint_rank0(inp.ckpt_dir, state.step, lambda: state.payload(inp), keep=cfg.keep_checkpoints,
-                              rank=inp.rank, world=inp.world)
-
-    interrupted = False
-    state.model.train()
-    it = Prefetcher(batches(inp, state.step, per_epoch, total), depth=cfg.prefetch)
-    bar = tqdm(total=total, initial=state.step, disable=not rank0, desc="train", unit="step")
-    speed = Throughput(state.step)
-    try:
-        for step_index, epoch, batch in it:
-            rec, sums = optimizer_step(state, sc, inp, batch)
-            rec["epoch"] = epoch
-            speed.end_step(step_index, float(sums[2]), float(sums[3]))
-            state.history.append(rec)
-            bar.update(1)
-            step = state.step
-            if step % cfg.log_every == 0 or step == total:
-                if rank0 and inp.logger is not None:
-                    inp.logger.log_metrics({**{k: v for k, v in rec.items() if k != "step"}, **speed.window()}, step=step)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}")
-            if step % cfg.eval_every == 0 or step == total:
-                validate(state, inp, dtype)
-            saved = step % cfg.ckpt_every == 0 or step == total
-            if saved:
-                checkpoint()
-            if float(sums[4]) > 0 and step < total:  # a rank was asked to stop: all stop after this step
-                if not saved:
-                    checkpoint()
-                interrupted = True
-                break
-            speed.begin_step()
-    finally:
-        it.close()
-        bar.close()
-    return TrainResult(state.model, state.history, state.evals, state.best, state.step, total, interrupted, speed.summary())
+    """Train (or resume) a block drafter to cfg's total steps through the one loop (`trainer.run`)."""
+    if inp.cfg.batch_seqs < 1:
+        raise ValueError(f"train.batch_seqs={inp.cfg.batch_seqs}: need >= 1 sequence per rank")
+    _, total = total_steps(inp.cfg, len(inp.train_source), inp.world)
+    return run(BlockTask(inp), loop_spec(inp, total))

@@ -88,7 +88,7 @@ def block_losses(
     hits = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
     correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
     correct[flat_valid] = hits
-    # h.sum()*0 keeps the graph connected when a batch has no valid slot (DDP needs every grad).
+    # h.sum()*0 keeps the graph connected when a batch has no valid slot (every parameter gets a gradient on every rank).
     weighted = (wv * ce).sum() + h.sum() * 0.0
     return BlockOutputs(weighted, wv.sum().detach(), correct.view(S, N, B), valid)
 

@@ -13,8 +13,7 @@ next mtp_val_drafts+1 tokens are all supervised. The exported weights are the be
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from draftforge.drafter.mtp import MTPHead
-from draftforge.train.data import FeatureSource, truncate
+from draftforge.extract.preflight import FreeBytes
+from draftforge.train.branch import Branch, check_disk, open_device
+from draftforge.train.config import TrainConfig
+from draftforge.train.data import FeatureSource, _hash_seed, truncate
 from draftforge.train.head import FrozenTargetHead
+from draftforge.train.loop import val_indices
+from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, run
 
 log = logging.getLogger(__name__)
 
@@ -149,176 +153,108 @@ def mtp_eval(head: MTPHead, frozen: FrozenTargetHead, seqs: list[MTPSeq], drafts
 
 
 @dataclass
-class MTPResult:
-    head: MTPHead  # the selected (best val τ) weights on rank 0; the last weights on other ranks
-    history: list[dict[str, float]] = field(default_factory=list)
-    evals: list[dict[str, float]] = field(default_factory=list)
-    best: dict[str, float] | None = None
-    steps: int = 0  # the run's total steps
-    seconds: float = 0.0  # this process's training time (a resumed run: since the resume)
-    step: int = 0  # steps done (< steps when interrupted)
-    resumed_from: int | None = None  # the checkpoint's step this run continued from
-    interrupted: bool = False
+class MTPInputs:
+    cfg: TrainConfig  # the mtp_* fields, max_seq_len, val_max_seqs, seed, warmup_ratio, grad_clip, ckpt_every, ...
+    head: MTPHead
+    frozen: FrozenTargetHead  # the target's embedding table and LM head
+    train_source: FeatureSource  # items carry `last_hidden` as the 4th element
+    val_source: FeatureSource | None
+    ckpt_dir: Path | None = None  # None: no checkpoints, no resume
+    resume_key: str = ""
+    device: torch.device = torch.device("cpu")
+    rank: int = 0
+    world: int = 1
+    logger: Any = None
+    stop: Any = None
 
 
-def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t)
-    return t
+class MTPTask:
+    """The MTP head as a `trainer.TrainTask`. A step's batch is `mtp_batch_seqs` sequences per rank, each with
+    up to `mtp_rows` rows per depth drawn from a generator of (seed, step, sequence). Its loss is the mean over
+    depths of the CE summed over all ranks' rows of that depth ÷ their global count (phase 1 counts the rows,
+    the loop sums the counts over ranks, phase 2 runs one sequence's forward + backward at a time)."""
 
+    name, select = "train mtp", "val_mtp_sim_tau"
 
-def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
+    def __init__(self, inp: MTPInputs) -> None:
+        self.inp, self.cfg, self.n_train = inp, inp.cfg, len(inp.train_source)
+        self.model = inp.head.to(inp.device).train()
+        picked = val_indices(len(inp.val_source), self.cfg.val_max_seqs) if inp.val_source is not None else []
+        self.has_val = bool(picked)
+        self.val: list[MTPSeq] = []  # rank 0 evaluates and broadcasts the metrics
+        if inp.rank == 0:
+            self.val = [self._on_device(mtp_item(inp.val_source, i, self.cfg.max_seq_len)) for i in picked]  # type: ignore[arg-type]
 
+    def _on_device(self, s: MTPSeq) -> MTPSeq:
+        d = self.inp.device
+        return MTPSeq(s.ids.to(d), s.mask.to(d), s.hidden.to(d))
 
-def train_mtp(head: MTPHead, frozen: FrozenTargetHead, train_src: FeatureSource,
-              val_src: FeatureSource | None, *, steps: int, lr: float, depth: int, rows: int, val_drafts: int,
-              eval_every: int, max_len: int, val_max_seqs: int, seed: int = 0, warmup_ratio: float = 0.04,
-              grad_clip: float = 1.0, device: torch.device | str = "cpu", logger: Any = None,
-              progress: bool = False, batch_seqs: int = 1, rank: int = 0, world: int = 1,
-              ckpt_dir: Path | None = None, resume_key: str = "", ckpt_every: int = 0, keep_checkpoints: int = 2,
-              stop: Any = None) -> MTPResult:
-    """AdamW + cosine schedule over `steps` steps of `batch_seqs` sequences per rank (global batch
-    batch_seqs x world), every rank training its share; resumes from ckpt_dir's latest checkpoint
-    with a matching resume_key. `stop` (a train.stop.StopRequest) ends the run after a step, with that step's
-    checkpoint written (`interrupted`; a rerun resumes there).
+    def batch(self, seqs: list[int], step: int, epoch: int) -> list[tuple[MTPSeq, list[torch.Tensor]]]:
+        """(sequence, rows of each depth) for this rank's sequences of `step`; sequences under 3 tokens drop out."""
+        cfg, work = self.cfg, []
+        for i in seqs:
+            seq = mtp_item(self.inp.train_source, i, cfg.max_seq_len)
+            if seq.ids.numel() < 3:
+                continue
+            seq = self._on_device(seq)
+            work.append((seq, depth_rows(seq, cfg.mtp_depth, cfg.mtp_rows, torch.Generator().manual_seed(_hash_seed(cfg.seed, step, i)))))
+        return work
 
-    Determinism: step s takes the sequences epoch_order(seed, epoch) lists for it (the drafter's order)
-    and samples each sequence's rows from a generator of (seed, s, sequence), so the stream depends on
-    neither the world size nor where a run resumed. The loss of a step is the mean over depths of the
-    CE summed over all ranks' rows of that depth divided by their global count; each rank
-    back-propagates its part and the gradients are summed over ranks, so W ranks of b sequences take
-    the step one process takes on the same W*b sequences. Rank 0 evaluates and broadcasts the metrics,
-    so every rank records the same val history and best step; rank 0 keeps the best weights, writes
-    the checkpoints and holds the selected head at the end."""
-    from tqdm import tqdm
+    def forward(self, batch: list[tuple[MTPSeq, list[torch.Tensor]]]) -> Pending:
+        """sums = rows per depth (depth,) on this rank; the forward waits for the global counts (phase 2)."""
+        counts = torch.zeros(self.cfg.mtp_depth, dtype=torch.float64, device=self.inp.device)
+        for _, picks in batch:
+            counts += torch.tensor([p.numel() for p in picks], dtype=torch.float64, device=self.inp.device)
+        return Pending(counts, batch)
 
-    from draftforge.train.checkpoint import load_latest, rng_state, set_rng_state
-    from draftforge.train.data import _hash_seed, epoch_order, rank_share
-    from draftforge.train.loop import lr_lambda, save_checkpoint_rank0, val_indices
+    def backward(self, pending: Pending, counts: torch.Tensor) -> StepOut | None:
+        depth = self.cfg.mtp_depth
+        active = counts > 0  # (depth,) depths with a row anywhere
+        n_active = int(active.sum())
+        if not n_active:  # no supervised row in any rank's sequences: no update (every rank sees the same counts)
+            return None
+        ce = torch.zeros(depth, dtype=torch.float64, device=self.inp.device)
+        for seq, picks in pending.state:
+            sums = depth_ce_sums(self.model, self.inp.frozen, seq, picks)
+            parts = [s / (float(counts[d]) * n_active) for d, s in enumerate(sums) if s is not None]
+            if parts:
+                torch.stack(parts).sum().backward()
+                ce += torch.stack([s.detach().double() if s is not None else ce.new_zeros(()) for s in sums])
+        all_reduce(ce, self.inp.world)
+        per = {d + 1: float(ce[d] / counts[d]) for d in range(depth) if active[d]}
+        return StepOut({"mtp_loss": sum(per.values()) / n_active, **{f"mtp_loss_{d}": v for d, v in per.items()}},
+                       {"rows": float(counts.sum())})
 
-    if batch_seqs < 1:
-        raise ValueError(f"train.mtp_batch_seqs={batch_seqs}: need >= 1 sequence per rank")
-    device, rank0 = torch.device(device), rank == 0
-    head = head.to(device).train()
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup_ratio, 0.0))
-    res = MTPResult(head, steps=steps)
-    best_state: dict[str, torch.Tensor] | None = None  # rank 0: the best val τ weights (CPU)
-    payload = load_latest(ckpt_dir, resume_key) if ckpt_dir is not None else None
-    if payload is not None:
-        head.load_state_dict(payload["model"])
-        opt.load_state_dict(payload["optimizer"])
-        sched.load_state_dict(payload["scheduler"])
-        res.step = res.resumed_from = payload["step"]
-        res.history, res.evals, res.best = payload["history"], payload["evals"], payload["best"]
-        best_state = payload["best_model"] if rank0 else None
-        set_rng_state(payload["rng"])
-        del payload
-    if world > 1:  # every rank starts from rank 0's weights (they are equal already; this guards it)
-        for t in head.state_dict().values():
-            dist.broadcast(t, 0)
-    picked = val_indices(len(val_src), val_max_seqs) if val_src is not None else []
-    val = []
-    if rank0 and picked:
-        val = [mtp_item(val_src, i, max_len) for i in picked]  # type: ignore[arg-type]
-        val = [MTPSeq(s.ids.to(device), s.mask.to(device), s.hidden.to(device)) for s in val]
-
-    def run_eval(at: int) -> None:
-        nonlocal best_state
-        if not picked:
-            return
-        m = {**mtp_eval(head, frozen, val, val_drafts, rows, seed + 1), "step": at} if rank0 else None
-        if world > 1:
+    def validate(self) -> dict[str, float] | None:
+        if not self.has_val:
+            return None
+        cfg = self.cfg
+        m = mtp_eval(self.model, self.inp.frozen, self.val, cfg.mtp_val_drafts, cfg.mtp_rows, cfg.seed + 1) if self.inp.rank == 0 else None
+        if self.inp.world > 1:
             box = [m]
             dist.broadcast_object_list(box, src=0)
             m = box[0]
-        res.evals.append(m)
-        if res.best is None or m["val_mtp_sim_tau"] > res.best["val_mtp_sim_tau"]:
-            res.best = dict(m)
-            if rank0:
-                best_state = _cpu_copy(head.state_dict())
-        if rank0 and logger is not None:
-            logger.log_metrics({k: v for k, v in m.items() if k != "step"}, step=at)
-        if rank0:
-            log.info("mtp step %d: val sim_tau %.3f acc_1 %.3f", at, m["val_mtp_sim_tau"], m["val_mtp_acc_1"])
+        return m
 
-    def checkpoint(at: int) -> None:
-        if ckpt_dir is None:
-            return
-        save_checkpoint_rank0(ckpt_dir, at, lambda: {
-            "model": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "step": at, "history": res.history, "evals": res.evals, "best": res.best, "best_model": best_state,
-            "rng": rng_state(), "resume_key": resume_key,
-        }, keep=keep_checkpoints, rank=rank, world=world)  # fmt: skip
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {}
 
-    gb = batch_seqs * max(1, world)
-    per_epoch = -(-len(train_src) // gb)
-    order: tuple[int, list[list[int]]] | None = None
-    t0 = time.perf_counter()
-    bar = tqdm(total=steps, initial=res.step, desc="train mtp", unit="step", disable=not progress)
-    try:
-        for step in range(res.step, steps):
-            epoch, in_epoch = divmod(step, per_epoch)
-            if order is None or order[0] != epoch:
-                order = (epoch, epoch_order(len(train_src), gb, seed, epoch))
-            work, counts = [], torch.zeros(depth, dtype=torch.float64, device=device)
-            for i in rank_share(order[1][in_epoch], rank, world):
-                seq = mtp_item(train_src, i, max_len)
-                if seq.ids.numel() < 3:
-                    continue
-                seq = MTPSeq(seq.ids.to(device), seq.mask.to(device), seq.hidden.to(device))
-                picks = depth_rows(seq, depth, rows, torch.Generator().manual_seed(_hash_seed(seed, step, i)))
-                counts += torch.tensor([p.numel() for p in picks], dtype=torch.float64, device=device)
-                work.append((seq, picks))
-            vote = torch.tensor([1.0 if stop is not None and stop.requested() else 0.0], dtype=torch.float64, device=device)
-            counts = _all_reduce(torch.cat([counts, vote]), world)  # the stop votes ride with the row counts
-            stop_now, counts = bool(counts[depth] > 0), counts[:depth]
-            active = counts > 0
-            n_active = int(active.sum())
-            ce = torch.zeros(depth, dtype=torch.float64, device=device)
-            for seq, picks in work:
-                sums = depth_ce_sums(head, frozen, seq, picks)
-                parts = [s / (float(counts[d]) * n_active) for d, s in enumerate(sums) if s is not None]
-                if parts:
-                    torch.stack(parts).sum().backward()
-                    ce += torch.stack([s.detach().double() if s is not None else ce.new_zeros(()) for s in sums])
-            if n_active:  # no supervised row anywhere in this step's sequences: no update
-                if world > 1:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        dist.all_reduce(p.grad)
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                _all_reduce(ce, world)
-                per = {d + 1: float(ce[d] / counts[d]) for d in range(depth) if active[d]}
-                rec = {"step": step + 1, "mtp_loss": sum(per.values()) / n_active,
-                       **{f"mtp_loss_{d}": v for d, v in per.items()}}
-                res.history.append(rec)
-                if rank0 and logger is not None and ((step + 1) % 25 == 0 or step + 1 == steps):
-                    logger.log_metrics({k: v for k, v in rec.items() if k != "step"}, step=step + 1)
-            res.step = step + 1
-            bar.update(1)
-            if (step + 1) % max(1, eval_every) == 0 or step + 1 == steps:
-                run_eval(step + 1)
-            if (ckpt_every > 0 and (step + 1) % ckpt_every == 0) or step + 1 == steps:
-                checkpoint(step + 1)
-            if stop_now and step + 1 < steps:  # a rank was asked to stop: all stop after this step
-                if not (ckpt_every > 0 and (step + 1) % ckpt_every == 0):
-                    checkpoint(step + 1)
-                res.interrupted = True
-                break
-    finally:
-        bar.close()
-    res.seconds = time.perf_counter() - t0
-    if best_state is not None and not res.interrupted:
-        head.load_state_dict(best_state)
-    res.head = head.eval()
-    return res
+
+def train_mtp(inp: MTPInputs) -> LoopResult:
+    """Train (or resume) the MTP head to cfg.mtp_steps through the one loop (`trainer.run`): AdamW (0.9, 0.95),
+    no weight decay, warmup + cosine to 0, clip `grad_clip` (1.0 when 0). `.selected()` is the best val τ head
+    on rank 0."""
+    return run(MTPTask(inp), train_spec(inp))
+
+
+def train_spec(inp: MTPInputs) -> LoopSpec:
+    cfg = inp.cfg
+    return LoopSpec(total=cfg.mtp_steps, batch_seqs=cfg.mtp_batch_seqs, lr=cfg.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0,
+                    warmup_ratio=cfg.warmup_ratio, min_lr_ratio=0.0, grad_clip=cfg.grad_clip or 1.0, seed=cfg.seed,
+                    eval_every=cfg.mtp_eval_every, log_every=cfg.log_every, ckpt_every=cfg.ckpt_every,
+                    keep_checkpoints=cfg.keep_checkpoints, prefetch=cfg.prefetch, ckpt_dir=inp.ckpt_dir,
+                    resume_key=inp.resume_key, device=inp.device, rank=inp.rank, world=inp.world, logger=inp.logger,
+                    stop=inp.stop)  # fmt: skip
 
 
 MTP_CHECKPOINTS = "mtp_checkpoints"  # the MTP head's resumable checkpoints: ctx.work_dir / MTP_CHECKPOINTS
@@ -327,53 +263,63 @@ _MTP_RESUME_KEYS = ("mtp_steps", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_dra
                     "warmup_ratio", "grad_clip")
 
 
-def run_mtp_training(ctx, cfg: Any, info: dict[str, Any], device: torch.device, run: Any,
-                     stop: Any = None, disk_check: Any = None) -> dict[str, Any] | None:
-    """The train stage's MTP part, on every rank: train (resuming from ctx.work_dir/mtp_checkpoints),
-    then rank 0 exports to out_dir/mtp in vLLM's MiMo MTP format and returns the metrics.json entry
-    (None on other ranks). A `stop` request ends it after a checkpointed step with one StageError;
-    `disk_check(n_trainable_params)` (rank 0) may refuse before anything is written."""
-    from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+def mtp_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBytes) -> Branch:
+    """The mtp drafter's branch (a `trainer.Branch`): the target's native MTP layer serves (nothing to train), or
+    the MiMo-form head trains on every rank (resuming from ctx.work_dir/mtp_checkpoints) and rank 0 exports it
+    to out_dir/mtp in vLLM's MiMo MTP format; metrics.json holds the `mtp` block."""
+    from draftforge.drafter.mtp import export_mimo_head, new_trained_head, wants_trained_head
     from draftforge.errors import StageError
     from draftforge.io import sha256_file, sha256_json
     from draftforge.train.features import open_features
 
+    def marker(mtp: dict[str, Any] | None) -> dict[str, Any]:
+        log.info("train: mtp head %s", "trained" if mtp else "native (the target's own MTP layer; nothing to train)")
+        return {"target": info["name"], "target_fingerprint": info["fingerprint"], "drafter_type": "mtp",
+                "mtp_source": "trained" if mtp else "native", "mtp": mtp}
+
+    if not wants_trained_head(info):
+        return Branch(None, None, lambda result, run: marker(None))
+    if cfg.features == "online":
+        raise StageError("drafter=mtp with train.features=online: the MTP head trains on the target's final-normed "
+                         "last layer, which only the extract stage stores (offline); use train.features=offline "
+                         "or drop mtp from `drafters`")
+    device = open_device(ctx, cfg)
     train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.float32)
     try:
         mtp_item(train_src, 0, 1)  # the store carries `last_hidden` (extract ran with an mtp drafter listed)
         head, copied = new_trained_head(info["hf_path"], init_from_target=True, seed=cfg.seed)
     except ValueError as exc:
         raise StageError(f"drafter=mtp: {ctx.input_marker('extract')}: {exc}") from None
-    if disk_check is not None:
-        disk_check(sum(p.numel() for p in head.parameters() if p.requires_grad))
+    ckpt_dir = ctx.work_dir / MTP_CHECKPOINTS
+    if ctx.is_rank0:  # once the head's size is known, before any write
+        check_disk(ckpt_dir, ctx.out_dir, sum(p.numel() for p in head.parameters() if p.requires_grad), cfg, free_bytes)
     frozen = FrozenTargetHead.from_target(info["hf_path"], dtype=torch.float32, device=device)
     resume_key = sha256_json({"mtp": {k: getattr(cfg, k) for k in _MTP_RESUME_KEYS}, "target": info["fingerprint"],
                               "extract": sha256_file(ctx.input_marker("extract")),
                               "global_batch": cfg.mtp_batch_seqs * ctx.world_size, "init_layer": copied})
-    res = train_mtp(head, frozen, train_src, val_src, steps=cfg.mtp_steps, lr=cfg.mtp_lr,
-                    depth=cfg.mtp_depth, rows=cfg.mtp_rows, val_drafts=cfg.mtp_val_drafts,
-                    eval_every=cfg.mtp_eval_every, max_len=cfg.max_seq_len, val_max_seqs=cfg.val_max_seqs,
-                    seed=cfg.seed, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip or 1.0, device=device,
-                    logger=run, progress=ctx.is_rank0, batch_seqs=cfg.mtp_batch_seqs, rank=ctx.rank,
-                    world=ctx.world_size, ckpt_dir=ctx.work_dir / MTP_CHECKPOINTS, resume_key=resume_key,
-                    ckpt_every=cfg.ckpt_every, keep_checkpoints=cfg.keep_checkpoints, stop=stop)  # fmt: skip
-    if res.interrupted:
-        raise StageError(f"train (mtp): stopped by {getattr(stop, 'reason', None) or 'request'} after step {res.step}/"
-                         f"{cfg.mtp_steps}; checkpoint in {ctx.work_dir / MTP_CHECKPOINTS}; rerun the same command to resume")
-    if not ctx.is_rank0:
-        return None
-    selected = f"best val_mtp_sim_tau at step {res.best['step']}" if res.best else "last"
-    out = ctx.out_dir / "mtp"
-    export_mimo_head(res.head, out, info["hf_path"], dtype=getattr(torch, cfg.export_dtype),
-                     extra={"target": info["name"], "target_fingerprint": info["fingerprint"], "selected": selected,
-                            "steps": res.steps, "init_layer": copied})
-    h = res.history
-    k = max(1, min(25, len(h) // 4))
-    return {
-        "dir": str(out), "format": "mimo", "selected": selected, "steps": res.steps, "seconds": res.seconds,
-        "world_size": ctx.world_size, "global_batch": cfg.mtp_batch_seqs * ctx.world_size,
-        "resumed_from": res.resumed_from, "init_from_target_layer": copied,
-        "loss_first": sum(r["mtp_loss"] for r in h[:k]) / k if h else None,
-        "loss_last": sum(r["mtp_loss"] for r in h[-k:]) / k if h else None,
-        "best": res.best, "val_curve": res.evals,
-    }  # fmt: skip
+    inp = MTPInputs(cfg, head, frozen, train_src, val_src, ckpt_dir, resume_key, device, ctx.rank, ctx.world_size)
+    task = MTPTask(inp)
+
+    def finish(res: LoopResult | None, run: Any) -> dict[str, Any]:
+        assert res is not None
+        selected = f"best val_mtp_sim_tau at step {res.best['step']}" if res.best else "last"
+        res.model.load_state_dict(res.selected())
+        out = ctx.out_dir / "mtp"
+        export_mimo_head(res.model.eval(), out, info["hf_path"], dtype=getattr(torch, cfg.export_dtype),
+                         extra={"target": info["name"], "target_fingerprint": info["fingerprint"], "selected": selected,
+                                "steps": res.total_steps, "init_layer": copied})
+        if res.best:
+            run.log_metrics({"best_val_mtp_sim_tau": res.best["val_mtp_sim_tau"]})
+        h = res.history
+        k = max(1, min(25, len(h) // 4))
+        return marker({
+            "dir": str(out), "format": "mimo", "selected": selected, "steps": res.total_steps, "seconds": res.seconds,
+            "world_size": ctx.world_size, "global_batch": cfg.mtp_batch_seqs * ctx.world_size,
+            "resumed_from": res.resumed_from, "init_from_target_layer": copied,
+            "loss_first": sum(r["mtp_loss"] for r in h[:k]) / k if h else None,
+            "loss_last": sum(r["mtp_loss"] for r in h[-k:]) / k if h else None,
+            "best": res.best, "val_curve": res.evals,
+        })  # fmt: skip
+
+    return Branch(task, train_spec(inp), finish, label="train (mtp)", run_name=f"train/{info['name']}/mtp",
+                  run_params=ctx.params)

@@ -1,19 +1,23 @@
 """`train` stage, one branch per listed drafter: the branch's drafter (conf/drafter/<name>.yaml: DFlash, DSpark, or
 an MTP head) from extracted features → results/<exp>/train/<name>/{drafter/ | mtp/, metrics.json}.
 
+`task_for(drafter)` is the one place a drafter type picks how its branch trains (a `branch.Branch`: the task
+the one loop, `trainer.run`, trains on every rank, and the export rank 0 runs after it). The block drafters'
+branch is `block_branch` here; the MTP head's is `train.mtp.mtp_branch`.
+
 `train.features=offline` reads the extract stage's feature store; `online` reads the curate shards
 and runs the target beside the drafter (train/online.py), in the same sequence order.
 
 Single process or `torchrun` (NCCL on GPU, gloo on CPU). Resumable checkpoints live in
-ctx.work_dir/checkpoints (outside the declared outputs); the export is the best checkpoint by val
-simulated acceptance length (the last one when there is no val split).
+ctx.work_dir/checkpoints (mtp: mtp_checkpoints; outside the declared outputs); the export is the best
+step by val simulated acceptance length (the last one when there is no val split).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,21 +26,28 @@ from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
-from draftforge.drafter.mtp import wants_trained_head
 from draftforge.drafter.settings import effective_loss_weights
 from draftforge.errors import StageError
-from draftforge.extract.preflight import FreeBytes, disk_free, fmt_bytes
+from draftforge.extract.preflight import FreeBytes, disk_free
 from draftforge.io import sha256_file, sha256_json, write_json
-from draftforge.runtime import init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
 from draftforge.target.load import read_target_info
-from draftforge.train.checkpoint import load_best
+from draftforge.train.branch import Branch, BranchBuilder, check_disk, open_device
 from draftforge.train.config import TrainConfig
 from draftforge.train.features import open_features
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loop import TrainInputs, compute_dtype, global_batch, train
+from draftforge.train.loop import (
+    BlockTask,
+    TrainInputs,
+    compute_dtype,
+    global_batch,
+    loop_spec,
+    make_objective,
+    total_steps,
+)
 from draftforge.train.loss import resolve_gamma
 from draftforge.train.stop import StopRequest
+from draftforge.train.trainer import LoopResult, run
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +69,19 @@ def train_config(ctx) -> TrainConfig:
     return TrainConfig(**plain)
 
 
-def disk_needed(n_params: int, cfg: TrainConfig) -> int:
-    """Bytes train writes at most for a model of n_params trainable parameters: `keep_checkpoints` + 1 in
-    flight (fp32 weights + AdamW moments), best.pt (fp32 weights) and the export (export_dtype)."""
-    export_bytes = torch.empty((), dtype=getattr(torch, cfg.export_dtype)).element_size()
-    return n_params * (12 * (max(cfg.keep_checkpoints, 1) + 1) + 4 + export_bytes) + (1 << 20)
-
-
 def drafter_numel(dcfg: DFlashConfig) -> int:
     from draftforge.drafter.export import expected_shapes
 
     return sum(math.prod(shape) for shape in expected_shapes(dcfg).values())
 
 
-def check_disk(ckpt_dir: Path, out_dir: Path, n_params: int, cfg: TrainConfig, free_bytes: FreeBytes) -> None:
-    """Refuse to start (one line) when checkpoints and the export cannot fit; nothing is touched."""
-    have = sum(p.stat().st_size for p in ckpt_dir.glob("*.pt")) if ckpt_dir.is_dir() else 0
-    need = max(0, disk_needed(n_params, cfg) - have)
-    free = min(free_bytes(ckpt_dir), free_bytes(out_dir))
-    if need * DISK_MARGIN > free:
-        raise StageError(f"{ckpt_dir}: not enough disk for training checkpoints and the export: need ~{fmt_bytes(need)} "
-                         f"(x {DISK_MARGIN} margin) but {fmt_bytes(free)} is free; free space, point results_root "
-                         f"elsewhere, or lower train.keep_checkpoints (now {cfg.keep_checkpoints})")  # fmt: skip
+def task_for(drafter: Any) -> BranchBuilder:
+    """How the branch of this drafter (`drafter` section: its `type`) trains: the one switch on drafter type."""
+    if drafter.type == "mtp":
+        from draftforge.train.mtp import mtp_branch
 
-
-DISK_MARGIN = 1.2
+        return mtp_branch
+    return block_branch
 
 
 def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
@@ -92,63 +91,20 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
     if cfg.features not in FEATURE_MODES:
         raise StageError(f"train.features={cfg.features!r}: use one of {list(FEATURE_MODES)}")
     info = read_target_info(ctx.input_marker("target"))
-    shape = ctx.cfg.drafter
-    if shape.type == "mtp":
-        return main_mtp(ctx, cfg, info, free_bytes)
-    dcfg = drafter_config(shape, info)
-    loss_weights = effective_loss_weights(shape)
-    if ctx.is_rank0:
-        check_disk(ctx.work_dir / "checkpoints", ctx.out_dir, drafter_numel(dcfg), cfg, free_bytes)
-    device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
-    init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
     try:
-        dtype = compute_dtype(cfg, device)
-        if cfg.features == "online":
-            from draftforge.extract.stage import check_curate
-            from draftforge.train.online import open_online
-
-            check_curate(ctx, info)
-            target_dtype = getattr(torch, info.get("dtype") or "bfloat16") if device.type == "cuda" else torch.float32
-            train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype)
-            data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
-        else:
-            index_path = ctx.input_marker("extract")
-            train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-            data_key = {"extract": sha256_file(index_path)}
-        from draftforge.train.loop import make_objective
-
-        obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
-        if obj is not None and obj.needs_target and len(train_src[0]) < 4:
-            where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
-            raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "
-                             "states, which these features do not carry; offline: list this drafter in `drafters` and "
-                             "rerun extract (draftforge.drafter.settings.needs_last_layer decides what extract stores)")
-        if val_src is None:
-            log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
-        head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
-        resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
-                                  "drafter": dcfg.to_dict(), "loss_weights": loss_weights,
-                                  **({"acceptance_weighting": True} if shape.acceptance_weighting else {}),
-                                  "target": info["fingerprint"], **data_key,
-                                  "global_batch": global_batch(cfg, ctx.world_size)})
-        inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
-                             ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
-                             rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
-                             loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting))
-        run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
-                      "global_batch": global_batch(cfg, ctx.world_size), "compute_dtype_used": str(dtype).removeprefix("torch."),
-                      "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
-                      "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
-        with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}", params=run_params) as run:
-            inputs.logger = run
-            with StopRequest().on_signals() as stop:
-                inputs.stop = stop
-                result = train(inputs)
-            if result.interrupted:
-                raise StageError(f"train: stopped by {stop.reason or 'request'} after step {result.step}/{result.total_steps}; "
-                                 f"checkpoint in {inputs.ckpt_dir}; rerun the same command to resume")
+        branch = task_for(ctx.cfg.drafter)(ctx, cfg, info, free_bytes)
+        if branch.task is None or branch.spec is None:  # nothing to train
             if ctx.is_rank0:
-                _finish(ctx, cfg, dcfg, info, result, run, len(train_src), resume_key)
+                write_json(ctx.out_dir / STAGE_MARKERS["train"], branch.finish(None, None))
+            return
+        with mlflow_run(**ctx.tracking_kwargs(), run_name=branch.run_name, params=branch.run_params) as run_log:
+            with StopRequest().on_signals() as stop:
+                result = run(branch.task, replace(branch.spec, logger=run_log, stop=stop))
+            if result.interrupted:
+                raise StageError(f"{branch.label}: stopped by {stop.reason or 'request'} after step {result.step}/"
+                                 f"{result.total_steps}; checkpoint in {branch.spec.ckpt_dir}; rerun the same command to resume")
+            if ctx.is_rank0:  # the export, then metrics.json (the marker) last
+                write_json(ctx.out_dir / STAGE_MARKERS["train"], branch.finish(result, run_log))
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -164,60 +120,71 @@ _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints
                       "mtp_steps", "mtp_batch_seqs", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
-def main_mtp(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBytes = disk_free) -> None:
-    """The mtp branch: train the MiMo-form MTP head (target without MTP layers) into out_dir/mtp, or record that
-    the target's native MTP layer serves (nothing to train); metrics.json last."""
-    from draftforge.tracking import mlflow_run
-
-    mtp: dict[str, Any] | None = None
-    if wants_trained_head(info):
-        if cfg.features == "online":
-            raise StageError("drafter=mtp with train.features=online: the MTP head trains on the target's final-normed "
-                             "last layer, which only the extract stage stores (offline); use train.features=offline "
-                             "or drop mtp from `drafters`")
-        device = pick_device("train.device", cfg.device, cfg.gpus, ctx.local_rank)
-        init_distributed(ctx.world_size, device, cfg.dist_timeout_min)
-        try:
-            with mlflow_run(**ctx.tracking_kwargs(), run_name=f"train/{info['name']}/mtp", params=ctx.params) as run:
-                from draftforge.train.mtp import MTP_CHECKPOINTS, run_mtp_training
-
-                def disk_check(n_params: int) -> None:  # rank 0, once the head's size is known, before any write
-                    check_disk(ctx.work_dir / MTP_CHECKPOINTS, ctx.out_dir, n_params, cfg, free_bytes)
-
-                with StopRequest().on_signals() as stop:
-                    mtp = run_mtp_training(ctx, cfg, info, device, run, stop, disk_check if ctx.is_rank0 else None)  # every rank trains; rank 0 exports (None elsewhere)
-                if mtp and mtp.get("best"):
-                    run.log_metrics({"best_val_mtp_sim_tau": mtp["best"]["val_mtp_sim_tau"]})
-            if ctx.world_size > 1:
-                dist.barrier()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBytes) -> Branch:
+    """A DFlash / DSpark drafter's branch: features (offline or online), the objective's input check, the resume
+    key; rank 0 exports the selected weights to out_dir/drafter."""
+    shape = ctx.cfg.drafter
+    dcfg = drafter_config(shape, info)
+    loss_weights = effective_loss_weights(shape)
     if ctx.is_rank0:
-        write_json(ctx.out_dir / STAGE_MARKERS["train"], {
-            "target": info["name"], "target_fingerprint": info["fingerprint"], "drafter_type": "mtp",
-            "mtp_source": "trained" if mtp else "native", "mtp": mtp,
-        })  # fmt: skip
-        log.info("train: mtp head %s", "trained" if mtp else "native (the target's own MTP layer; nothing to train)")
+        check_disk(ctx.work_dir / "checkpoints", ctx.out_dir, drafter_numel(dcfg), cfg, free_bytes)
+    device = open_device(ctx, cfg)
+    dtype = compute_dtype(cfg, device)
+    if cfg.features == "online":
+        from draftforge.extract.stage import check_curate
+        from draftforge.train.online import open_online
+
+        check_curate(ctx, info)
+        target_dtype = getattr(torch, info.get("dtype") or "bfloat16") if device.type == "cuda" else torch.float32
+        train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype)
+        data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
+    else:
+        train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        data_key = {"extract": sha256_file(ctx.input_marker("extract"))}
+    obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
+    if obj is not None and obj.needs_target and len(train_src[0]) < 4:
+        where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
+        raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "
+                         "states, which these features do not carry; offline: list this drafter in `drafters` and "
+                         "rerun extract (draftforge.drafter.settings.needs_last_layer decides what extract stores)")
+    if val_src is None:
+        log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
+    head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
+    resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
+                              "drafter": dcfg.to_dict(), "loss_weights": loss_weights,
+                              **({"acceptance_weighting": True} if shape.acceptance_weighting else {}),
+                              "target": info["fingerprint"], **data_key,
+                              "global_batch": global_batch(cfg, ctx.world_size)})
+    inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
+                         ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
+                         rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
+                         loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting))
+    run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
+                  "global_batch": global_batch(cfg, ctx.world_size), "compute_dtype_used": str(dtype).removeprefix("torch."),
+                  "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
+                  "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
+    _, total = total_steps(cfg, len(train_src), ctx.world_size)
+
+    def finish(result: LoopResult | None, run_log: Any) -> dict[str, Any]:
+        assert result is not None
+        return _finish(ctx, cfg, dcfg, info, result, run_log, len(train_src))
+
+    return Branch(BlockTask(inputs), loop_spec(inputs, total), finish, run_name=f"train/{info['name']}", run_params=run_params)
 
 
-def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result, run, n_train: int,
-            resume_key: str) -> None:
-    """Export the selected weights, then write metrics.json (the marker) last."""
-    best = load_best(ctx.work_dir / "checkpoints")
+def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], result: LoopResult, run_log: Any,
+            n_train: int) -> dict[str, Any]:
+    """Export the selected weights (the best val step's, from the run's checkpoints; else the last); metrics.json."""
     model = result.model
     selected = "last"
-    if best is not None and result.best is not None:
-        if best.get("resume_key", resume_key) != resume_key:  # best.pt of another target/config: never export it
-            raise StageError(f"{ctx.work_dir / 'checkpoints' / 'best.pt'}: written by a run for another target or config; "
-                             "delete it and rerun train")  # fmt: skip
-        model.load_state_dict(best["model"])
+    if result.best_state is not None and result.best is not None:
+        model.load_state_dict(result.best_state)
         selected = f"best val_sim_tau at step {result.best['step']}"
     drafter_dir = ctx.out_dir / "drafter"
     export_drafter(model, dcfg, drafter_dir, dtype=getattr(torch, cfg.export_dtype),
                    extra_config={"draftforge": {"target": info["name"], "target_fingerprint": info["fingerprint"],
                                                 "selected": selected, "steps": result.step}})
-    run.log_artifact(drafter_dir / "config.json", artifact_path="drafter")
+    run_log.log_artifact(drafter_dir / "config.json", artifact_path="drafter")
     last = result.history[-1] if result.history else {}
     metrics = {
         "target": info["name"],
@@ -241,6 +208,6 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "drafter_type": ctx.cfg.drafter.type,
     }
     if result.best:
-        run.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})
-    write_json(ctx.out_dir / STAGE_MARKERS["train"], metrics)
+        run_log.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})
     log.info("train: %d steps; exported %s (%s)", result.step, drafter_dir, selected)
+    return metrics
