@@ -126,3 +126,18 @@ def test_sampling_matches_target_distribution(method):
     assert deep > n // 10
 
     assert_matches_target_law(counts, n, tm, p, n_tok, 1.0)
+
+
+def test_markov_argmax_is_the_full_vocabulary_argmax():
+    """The bounded search (top-k by an upper bound, exact scores, grow k until the bound excludes the rest)
+    returns the full-vocabulary argmax of z + W2·e, also when the bias moves the winner far down z's ranking."""
+    from draftforge.engine.dspark import markov_argmax
+
+    g = torch.Generator().manual_seed(0)
+    V, r = 5000, 16
+    for trial in range(40):
+        z = torch.randn(V, generator=g, dtype=torch.float64) * (0.1 if trial % 2 else 3.0)
+        w2 = torch.randn(V, r, generator=g, dtype=torch.float64) * (2.0 if trial % 3 == 0 else 0.2)
+        e = torch.randn(r, generator=g, dtype=torch.float64)
+        full = int((z + w2 @ e).argmax())
+        assert markov_argmax(z, e, w2, w2.norm(dim=1), k=4) == full, trial

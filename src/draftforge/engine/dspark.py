@@ -50,6 +50,7 @@ class _MarkovBase(BlockMethod):
         head = drafter.markov_head
         self.w1 = head.markov_w1.weight.detach().float() if head is not None else None  # (V, r)
         self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V, r)
+        self.w2_norm = self.w2.norm(dim=1) if head is not None else None  # (V,) ‖W2_v‖ bounds |bias_v| / ‖e‖
 
     def base_logits(self, bonus: int, start: int) -> torch.Tensor:
         """(D, V) fp32 base logits of the predicting slots (depths 1..D)."""
@@ -71,12 +72,13 @@ class DSparkChain(_MarkovBase):
 
     def draft(self, bonus: int, start: int) -> torch.Tensor:
         base = self.base_logits(bonus, start)
-        prev = torch.tensor(bonus, device=base.device)
-        toks = []
-        for d in range(base.shape[0]):  # sequential on the device: one host sync at the end
-            prev = (base[d] + self.bias(prev)).argmax(-1)
+        if self.w1 is None:
+            return base.argmax(-1)
+        prev, toks = bonus, []
+        for d in range(base.shape[0]):  # sequential: each draft conditions the next
+            prev = markov_argmax(base[d], self.w1[prev], self.w2, self.w2_norm)
             toks.append(prev)
-        return torch.stack(toks)
+        return torch.tensor(toks)
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
         return chain_tree(bonus, drafted.tolist())
@@ -97,6 +99,27 @@ class DDTreeMarkov(_MarkovBase):
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
         return build_markov_tree(bonus, drafted, self.bias, self.budget)
+
+
+def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: torch.Tensor, k: int = 32) -> int:
+    """argmax_v z_v + w2_v · e over the vocabulary without the whole (V, r) product.
+
+    |w2_v · e| ≤ ‖w2_v‖ ‖e‖, so ub_v = z_v + ‖w2_v‖ ‖e‖ bounds every score. The exact scores of the top-k
+    tokens by ub give a best b; every token outside them has ub ≤ the k-th ub, so once that is < b the
+    answer is exact (ties broken towards the lower id, as argmax does); otherwise k grows. Reads the (V,)
+    vectors and k rows of w2 instead of all V rows: one r × V product (the head's whole W2) per draft was
+    the DSpark chain's cost on a CPU (docs/benchmarks.md)."""
+    V = z.shape[0]
+    ub = z + w2_norm * e.norm()
+    while True:
+        k = min(k, V)
+        top_ub, cand = torch.topk(ub, k)
+        exact = z[cand] + w2[cand] @ e  # (k,)
+        best = exact.max()
+        if k == V or top_ub[-1] < best:
+            winners = cand[exact == best]
+            return int(winners.min())
+        k *= 4
 
 
 def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int) -> Tree:

@@ -1,0 +1,205 @@
+"""CPU roofline of the default world's decoding: measured ceilings, the floors they imply, and the engine beside them.
+
+One run, one machine (run it with the machine otherwise idle):
+  1. ceilings: memory read bandwidth (a sum over 512 MiB: bytes read / s), copy bandwidth (read + written / s),
+     fp32 matmul throughput (2048³ sgemm) and, where the CPU multiplies bf16 natively, bf16;
+  2. floors of the target's verify(n) for n = 1 … 64 (n = 1 is the AR step) and of the drafter's block pass:
+     max(bytes ÷ read bandwidth, FLOPs ÷ matmul throughput), bytes = every weight read once (+ the KV rows
+     attention reads), FLOPs = 2 · n · weights (+ attention);
+  3. the engine's measured costs on the same shapes (SmolLM2-135M's shape with random weights and the
+     default drafter shape: costs depend on shapes, not on the weights): the AR step, verify(n), the
+     drafter pass and whole DFlash / DDTree rounds, each ÷ its floor and ÷ the AR step.
+
+    PYTHONPATH=src python benchmarks/cpu_roofline.py                  # ~3 min on 2 cores
+    PYTHONPATH=src python benchmarks/cpu_roofline.py --tiny           # seconds (a smoke run)
+Writes $OUT/cpu_roofline.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _out import write_record  # noqa: E402
+from engine_tree import probe_tree, round_times, step_bytes, target_spec  # noqa: E402
+
+from draftforge.drafter.config import DFlashConfig  # noqa: E402
+from draftforge.drafter.model import DFlashDrafter  # noqa: E402
+from draftforge.engine import generate, make_method, wrap_target  # noqa: E402
+from draftforge.engine.draft import DrafterContext  # noqa: E402
+from draftforge.engine.span import chain_span, tree_span  # noqa: E402
+from draftforge.engine.state import TargetState  # noqa: E402
+from draftforge.engine.target import forward  # noqa: E402
+from draftforge.train.loop import cpu_has_fast_bf16  # noqa: E402
+from draftforge.target.random import build_random_model  # noqa: E402
+
+SIZES = (1, 2, 4, 8, 16, 17, 32, 65)
+
+
+def timed(fn, reps: int, warm: int = 2) -> float:
+    """Median seconds of `fn()` over `reps` calls after `warm` warm-ups."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def ceilings(tiny: bool) -> dict[str, float]:
+    n = (64 if tiny else 512) << 20
+    x = torch.empty(n // 4, dtype=torch.float32).uniform_()
+    y = torch.empty_like(x)
+    read = n / timed(lambda: x.sum(), 5)
+    copy = 2 * n / timed(lambda: y.copy_(x), 5)
+    m = 512 if tiny else 2048
+    a, b = torch.randn(m, m), torch.randn(m, m)
+    out = {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "fp32_flops": 2 * m**3 / timed(lambda: a @ b, 5)}
+    if cpu_has_fast_bf16():
+        ab, bb = a.bfloat16(), b.bfloat16()
+        out["bf16_flops"] = 2 * m**3 / timed(lambda: ab @ bb, 5)
+    return out
+
+
+def target_floor(tm, n: int, past: int, ceil: dict[str, float]) -> dict[str, float]:
+    """verify(n) after `past` committed rows: weights once + the KV rows attention reads; 2·n FLOPs per weight."""
+    weights = step_bytes(tm) // 4  # fp32 values read (the embedding table only as the LM head)
+    n_attn = tm.kinds.count("attention")
+    kv_bytes = 4 * n_attn * 2 * tm.num_kv_heads * tm.head_dim * (past + n)
+    attn_flops = 4 * n_attn * tm.num_heads * tm.head_dim * n * (past + n)
+    nbytes, flops = 4 * weights + kv_bytes, 2 * n * weights + attn_flops
+    t = max(nbytes / ceil["read_bytes_per_s"], flops / ceil["fp32_flops"])
+    return {"bytes": nbytes, "flops": flops, "floor_ms": 1e3 * t,
+            "bound": "memory" if nbytes / ceil["read_bytes_per_s"] >= flops / ceil["fp32_flops"] else "compute"}
+
+
+def drafter_floor(d, tm, ceil: dict[str, float], ctx_rows: int) -> dict[str, float]:
+    """One block pass: drafter weights once, the LM head over its predicting slots, its context K/V."""
+    cfg = d.cfg
+    body = sum(p.numel() for p in d.parameters())
+    head = tm.lm_head.weight.numel()
+    rows = cfg.block_size + ctx_rows  # q/k/v over [context; block], the rest over the block
+    nbytes = 4 * (body + head) + 4 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 256
+    flops = 2 * rows * body + 2 * cfg.n_draft * head
+    t = max(nbytes / ceil["read_bytes_per_s"], flops / ceil["fp32_flops"])
+    return {"bytes": nbytes, "flops": flops, "floor_ms": 1e3 * t}
+
+
+def build(tiny: bool):
+    spec, taps, n_layers, block, mask_id = target_spec("smollm2-135m-shape", tiny)
+    tm = wrap_target(build_random_model(spec, torch.float32), taps)
+    cfg = DFlashConfig(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                       num_hidden_layers=n_layers, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab_size,
+                       mask_token_id=mask_id, target_layer_ids=taps, block_size=block,
+                       target_num_layers=spec.num_layers)  # fmt: skip
+    torch.manual_seed(1)
+    return tm, DFlashDrafter(cfg).eval()
+
+
+def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
+    ids = torch.tensor([prompt])
+    state = TargetState(tm, len(prompt) + 80)
+    forward(tm, state, chain_span(ids, 0, tm.dtype, commit_all=True))
+    tree = probe_tree(n, 15)
+
+    def one() -> None:
+        if n == 1:
+            span = chain_span(ids[:, :1], state.length, tm.dtype, commit_all=False)
+        else:
+            span = tree_span(tree, state.length, tm.device, tm.dtype, tm.conv_kernel)
+        h, _ = forward(tm, state, span, want_taps=True)
+        tm.lm_head(h[0]).argmax(-1).tolist()
+
+    return timed(one, reps)
+
+
+def measure_draft(tm, d, prompt_len: int, reps: int) -> float:
+    ctx = DrafterContext(d, tm)
+    feats = torch.randn(1, prompt_len, d.cfg.feature_dim)
+    ctx.add(feats)
+    ctx.block_logits(5, prompt_len)
+    new = torch.randn(1, 2, d.cfg.feature_dim)
+
+    def one() -> None:  # a round: 2 newly committed rows, then the block at the same start (cache cropped)
+        ctx.length = prompt_len - 2
+        ctx.add(new)
+        ctx.block_logits(5, prompt_len)
+
+    return timed(one, reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--budgets", default="4,8,16,32")
+    args = ap.parse_args()
+    if args.tiny:
+        args.prompt_len, args.reps, args.rounds = 40, 2, 4
+    ceil = ceilings(args.tiny)
+    tm, d = build(args.tiny)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(10, tm.vocab_size, (args.prompt_len,), generator=g).tolist()
+    rec = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "commit": _git_sha()},
+           "ceilings": ceil, "prompt_len": args.prompt_len, "verify": [], "rounds": []}
+    for n in SIZES:
+        fl = target_floor(tm, n, args.prompt_len, ceil)
+        ms = 1e3 * measure_verify(tm, prompt, n, args.reps)
+        rec["verify"].append({"n": n, "ms": ms, **fl, "over_floor": ms / fl["floor_ms"]})
+    ar_ms = rec["verify"][0]["ms"]
+    for r in rec["verify"]:
+        r["over_ar"] = r["ms"] / ar_ms
+    dfl = drafter_floor(d, tm, ceil, ctx_rows=2)
+    draft_ms = 1e3 * measure_draft(tm, d, args.prompt_len, args.reps)
+    rec["draft"] = {"ms": draft_ms, **dfl, "over_floor": draft_ms / dfl["floor_ms"], "over_ar": draft_ms / ar_ms}
+    n_tok = args.rounds + 4
+    for name, b in [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
+        generate(tm, make_method(name, tm, d, b), prompt, 4)  # warm-up
+        res = generate(tm, make_method(name, tm, d, b), prompt, n_tok)
+        rt = round_times(res, 1)
+        n_verify = (b + 1) if b else d.cfg.block_size
+        floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
+        rec["rounds"].append({"method": name, "budget": b, **rt, "floor_ms": floor,
+                              "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
+    write_record("cpu_roofline", rec)
+    c = rec["ceilings"]
+    print(f"read {c['read_bytes_per_s'] / 1e9:.1f} GB/s  copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s  "
+          f"fp32 {c['fp32_flops'] / 1e9:.0f} GFLOP/s" + (f"  bf16 {c['bf16_flops'] / 1e9:.0f} GFLOP/s" if "bf16_flops" in c else ""))
+    print(f"{'verify n':>9} {'ms':>8} {'floor':>8} {'bound':>7} {'/floor':>7} {'/AR':>6}")
+    for r in rec["verify"]:
+        print(f"{r['n']:>9} {r['ms']:8.1f} {r['floor_ms']:8.1f} {r['bound']:>7} {r['over_floor']:7.2f} {r['over_ar']:6.2f}")
+    dr = rec["draft"]
+    print(f"{'draft':>9} {dr['ms']:8.1f} {dr['floor_ms']:8.1f} {'':>7} {dr['over_floor']:7.2f} {dr['over_ar']:6.2f}")
+    print(f"{'round':>9} {'ms':>8} {'floor':>8} {'/floor':>7} {'/AR':>6} {'draft':>7} {'verify':>7} {'other':>6}")
+    for r in rec["rounds"]:
+        label = r["method"] + (f"-{r['budget']}" if r["budget"] else "")
+        print(f"{label:>9} {r['round_ms']:8.1f} {r['floor_ms']:8.1f} {r['over_floor']:7.2f} {r['over_ar']:6.2f} "
+              f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
