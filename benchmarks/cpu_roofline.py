@@ -41,8 +41,8 @@ from draftforge.engine.draft import DrafterContext  # noqa: E402
 from draftforge.engine.span import chain_span, tree_span  # noqa: E402
 from draftforge.engine.state import TargetState  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
-from draftforge.train.loop import cpu_has_fast_bf16  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
+from draftforge.train.loop import cpu_has_fast_bf16  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 17, 32, 65)
 

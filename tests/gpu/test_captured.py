@@ -120,8 +120,8 @@ def test_captured_size_errors() -> None:
 def test_split_attention_matches_sdpa_on_cuda(dtype: torch.dtype, heads: tuple[int, int, int]) -> None:
     """The split-KV kernel against the folded SDPA at real head shapes (the 256-wide head needs smaller
     tiles to fit shared memory): AR step, chain, tree spans."""
-    from draftforge.engine.split_attention import combine_splits, split_partials, usable
     from draftforge.engine.blocks import attend
+    from draftforge.engine.split_attention import combine_splits, split_partials, usable
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, hd = heads
