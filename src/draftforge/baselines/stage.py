@@ -21,6 +21,7 @@ from draftforge.baselines.prompts import load_sets, render_sets
 from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
 from draftforge.config import to_plain
+from draftforge.drafter.registry import BLOCK_DRAFTER, MTP_HEAD, artifact_of_vllm_method
 from draftforge.drafter.settings import branch_vllm_methods
 from draftforge.errors import StageError
 from draftforge.io import write_json
@@ -73,10 +74,11 @@ def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
 
 
 def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
-    if not any(m in names and not ctx.cfg.baselines.methods[m].model for m in ("dflash", "dspark")):
+    served = [m for m in names if artifact_of_vllm_method(m) == BLOCK_DRAFTER]  # served from the branch's export
+    if not any(not ctx.cfg.baselines.methods[m].model for m in served):
         return None
     ctx.input_marker("train")  # clear error when training has not finished
-    return ctx.input_dir("train") / "drafter"
+    return ctx.input_dir("train") / BLOCK_DRAFTER
 
 
 def run_concurrency_sweep(ctx: Any, names: list[str], plans: dict[str, MethodPlan], results: dict[str, dict[str, Any]],
@@ -158,7 +160,8 @@ def main(ctx: Any) -> None:
     names = enabled_methods(b, ctx.cfg.drafter.type)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
-    mtp_dir = ctx.input_dir("train") / "mtp" if "mtp" in names else None  # a trained head, when train made one
+    # a trained head, when train made one
+    mtp_dir = ctx.input_dir("train") / MTP_HEAD if any(artifact_of_vllm_method(m) == MTP_HEAD for m in names) else None
     device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
     plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device, trained_mtp_dir=mtp_dir)
              for name in names}

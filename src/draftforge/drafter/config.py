@@ -1,5 +1,9 @@
 """DFlashConfig: the drafter's shape, built from target.json + the `drafter` section, round-tripped through HF config.json.
 
+One drafter config type: `drafter.settings.DrafterConfig` (the Hydra group) holds the shape's defaults, and
+`DFlashConfig.from_target(info, shape)` is the one place a model config is derived from it (a subclass adds
+its own section fields through `shape_fields`); the defaults below are DrafterConfig's, never restated.
+
 Invariants: same width as the target (hidden, heads, KV heads, head_dim, MLP); `target_layer_ids` are
 0-based "output of decoder layer i" (HF hidden_states[i+1]; vLLM adds 1 itself); the mask token is a
 row of the target's embedding table (the vocabulary is never resized).
@@ -11,13 +15,16 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from draftforge.drafter.registry import export_config_class
+from draftforge.drafter.settings import DrafterConfig as Shape
+from draftforge.drafter.types.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from draftforge.errors import StageError
 
 log = logging.getLogger(__name__)
 
-HF_ARCHITECTURE = "DFlashDraftModel"
+HF_ARCHITECTURE = DFLASH_ARCHITECTURE
 HF_MODEL_TYPE = "qwen3"
 FULL, SLIDING = "full_attention", "sliding_attention"
 # How each layer type attends inside the draft block; vLLM's dflash loader applies the same rule when
@@ -28,6 +35,7 @@ ATTENTION_RULE = ("full_attention: bidirectional inside the block; sliding_atten
 
 @dataclass
 class DFlashConfig:
+    ARCHITECTURE: ClassVar[str] = HF_ARCHITECTURE  # config.json `architectures[0]` of this format
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -37,13 +45,13 @@ class DFlashConfig:
     vocab_size: int
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
-    block_size: int = 16
+    block_size: int = Shape.block_size
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     target_num_layers: int = 0  # layer count of the target the taps index into
     target_hidden_size: int = 0  # 0 → hidden_size (same width as the target)
-    sliding_window: int = 0  # > 0: window of the sliding_attention layers
+    sliding_window: int = Shape.sliding_window  # > 0: window of the sliding_attention layers
     # Per layer: full_attention | sliding_attention; empty → all full, or with a window the published
     # Qwen3.6-27B layout (sliding for every layer but the last).
     layer_types: list[str] = field(default_factory=list)
@@ -94,28 +102,45 @@ class DFlashConfig:
         """Width of the concatenated tapped features fed to `fc`."""
         return self.n_taps * self.target_hidden_size
 
+    @property
+    def n_draft(self) -> int:
+        """Tokens one block drafts (slot 0 holds the anchor)."""
+        return self.block_size - 1
+
+    def head_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensors beyond the DFlash backbone (a subclass's heads) → shape, as vLLM's loader consumes them."""
+        return {}
+
+    def as_exported(self, where: str) -> "DFlashConfig":
+        """The config the export writes (a subclass may export in the plain DFlash format)."""
+        return self
+
+    @classmethod
+    def shape_fields(cls, shape: Any) -> dict[str, Any]:
+        """This config's fields taken from the `drafter` section (drafter.settings.DrafterConfig)."""
+        return {"num_hidden_layers": int(shape.num_layers), "block_size": int(shape.block_size),
+                "sliding_window": int(shape.sliding_window or 0)}
+
     @classmethod
     def from_target(cls, target_info: dict[str, Any], shape: Any, **overrides: Any) -> "DFlashConfig":
-        """The drafter for a target.json record: width, taps and mask token from the target, draft layers,
-        block size and window from `shape` (the `drafter` config section, drafter.settings.DrafterConfig)."""
+        """The drafter for a target.json record: width, taps and mask token from the target, the rest from
+        `shape` (the `drafter` config section, `shape_fields`)."""
         try:
             fixed = target_info["drafter"]  # what the target fixes for every drafter
             values = dict(
                 hidden_size=int(target_info["hidden_size"]),
                 intermediate_size=int(target_info["intermediate_size"]),
-                num_hidden_layers=int(shape.num_layers),
                 num_attention_heads=int(target_info["num_heads"]),
                 num_key_value_heads=int(target_info["num_kv_heads"]),
                 head_dim=int(target_info["head_dim"]),
                 vocab_size=int(target_info["vocab_size"]),
                 mask_token_id=int(fixed["mask_token_id"]),
                 target_layer_ids=[int(t) for t in fixed["target_layer_ids"]],
-                block_size=int(shape.block_size),
                 rms_norm_eps=float(target_info.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(target_info.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(target_info.get("max_position_embeddings", 4096)),
                 target_num_layers=int(target_info["num_layers"]),
-                sliding_window=int(shape.sliding_window or 0),
+                **cls.shape_fields(shape),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StageError(f"target.json: missing or bad key for the drafter ({exc!r})") from None
@@ -169,7 +194,7 @@ class DFlashConfig:
                 vocab_size=int(hf["vocab_size"]),
                 mask_token_id=int(dflash["mask_token_id"]),
                 target_layer_ids=[int(t) for t in dflash["target_layer_ids"]],
-                block_size=int(hf.get("block_size", 16)),
+                block_size=int(hf.get("block_size", Shape.block_size)),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -200,11 +225,11 @@ def read_exported_config(directory: str | Path) -> DFlashConfig:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
-    from draftforge.drafter.dspark import DSPARK_ARCHITECTURE, DSparkConfig
-
-    if hf.get("architectures") == [DSPARK_ARCHITECTURE]:
-        return DSparkConfig.from_hf_dict(hf, where=str(cfg_path))
-    return DFlashConfig.from_hf_dict(hf, where=str(cfg_path))
+    archs = hf.get("architectures")
+    # The drafter type owning this export format (drafter/registry.py) names its config class; a folder of no
+    # registered format is read as DFlash, whose from_hf_dict names the architecture it expected.
+    owner = export_config_class(archs[0]) if isinstance(archs, list) and len(archs) == 1 else None
+    return (owner or DFlashConfig).from_hf_dict(hf, where=str(cfg_path))
 
 
 def check_drafter_target(directory: str | Path, target_info: dict[str, Any]) -> None:

@@ -19,26 +19,30 @@ the previously drafted token at inference, the data token when training). `marko
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.model import DFlashDrafter
+from draftforge.drafter.settings import DrafterConfig as Shape
+from draftforge.drafter.types.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE  # vLLM: Qwen3DSparkModel
+from draftforge.drafter.types.dspark import is_dspark  # noqa: F401  (train/loop.py imports it from here)
 from draftforge.errors import StageError
 
-DSPARK_ARCHITECTURE = "DSparkDraftModel"  # with model_type qwen3, vLLM serves it as Qwen3DSparkModel
 MARKOV_HEAD_TYPES = ("vanilla",)  # the only head type vLLM 0.32 loads
 
 
 @dataclass
 class DSparkConfig(DFlashConfig):
-    markov_rank: int = 256
+    ARCHITECTURE: ClassVar[str] = DSPARK_ARCHITECTURE
+    # Head defaults are the `drafter` section's (drafter.settings.DrafterConfig), written there once.
+    markov_rank: int = Shape.markov_rank
     markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    bonus_anchor: bool = False  # False: every slot predicts the next position (vLLM sample_from_anchor)
+    enable_confidence_head: bool = Shape.confidence_head
+    confidence_head_with_markov: bool = Shape.confidence_head_with_markov
+    bonus_anchor: bool = Shape.bonus_anchor  # False: every slot predicts the next position (vLLM sample_from_anchor)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,6 +73,35 @@ class DSparkConfig(DFlashConfig):
     @property
     def confidence_input_dim(self) -> int:
         return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
+
+    def head_shapes(self) -> dict[str, tuple[int, ...]]:
+        """vLLM's Qwen3DSparkModel: markov_head.*, confidence_head.proj.*"""
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.markov_rank > 0:
+            shapes["markov_head.markov_w1.weight"] = (self.vocab_size, self.markov_rank)
+            shapes["markov_head.markov_w2.weight"] = (self.vocab_size, self.markov_rank)
+        if self.enable_confidence_head:
+            shapes["confidence_head.proj.weight"] = (1, self.confidence_input_dim)
+            shapes["confidence_head.proj.bias"] = (1,)
+        return shapes
+
+    def as_exported(self, where: str) -> DFlashConfig:
+        """Without a Markov head vLLM's dspark loader has nothing to serve: a rank-0 drafter with DFlash's
+        block convention and no confidence head IS a DFlash drafter and is exported as one."""
+        if self.markov_rank:
+            return self
+        if not self.bonus_anchor or self.enable_confidence_head:
+            raise StageError(f"{where}: markov_rank 0 exports only as DFlash (bonus_anchor: true, no confidence head)")
+        return DFlashConfig.from_dict(self.to_dict())
+
+    @classmethod
+    def shape_fields(cls, shape: Any) -> dict[str, Any]:
+        """The backbone's fields plus the heads; the confidence head reads the Markov embedding only when
+        there is a Markov head."""
+        rank = int(shape.markov_rank)
+        return {**super().shape_fields(shape), "markov_rank": rank, "enable_confidence_head": bool(shape.confidence_head),
+                "confidence_head_with_markov": bool(shape.confidence_head_with_markov) and rank > 0,
+                "bonus_anchor": bool(shape.bonus_anchor)}
 
     @classmethod
     def from_dflash(cls, base: DFlashConfig, **heads: Any) -> "DSparkConfig":
@@ -106,10 +139,6 @@ class DSparkConfig(DFlashConfig):
                                    bonus_anchor=bool(hf.get("dspark_bonus_anchor", not hf.get("sample_from_anchor", True))))
         except (KeyError, TypeError, ValueError) as exc:
             raise StageError(f"{where}: missing or bad DSpark key ({exc!r})") from None
-
-
-def is_dspark(cfg: Any) -> bool:
-    return isinstance(cfg, DSparkConfig)
 
 
 class MarkovHead(nn.Module):

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftforge.drafter.config import DFlashConfig, read_exported_config
-from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
+from draftforge.drafter.registry import exported_type, model_class
 from draftforge.errors import StageError
 from draftforge.io import atomic_dir
 
@@ -67,13 +67,7 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     }
     shapes = {"fc.weight": (H, cfg.feature_dim), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     shapes.update({f"layers.{i}.{k}": s for i in range(cfg.num_hidden_layers) for k, s in per_layer.items()})
-    if is_dspark(cfg):  # vLLM's Qwen3DSparkModel: markov_head.*, confidence_head.proj.*
-        if cfg.markov_rank > 0:
-            shapes["markov_head.markov_w1.weight"] = (cfg.vocab_size, cfg.markov_rank)
-            shapes["markov_head.markov_w2.weight"] = (cfg.vocab_size, cfg.markov_rank)
-        if cfg.enable_confidence_head:
-            shapes["confidence_head.proj.weight"] = (1, cfg.confidence_input_dim)
-            shapes["confidence_head.proj.bias"] = (1,)
+    shapes.update(cfg.head_shapes())  # a DSpark drafter's heads
     return shapes
 
 
@@ -94,19 +88,15 @@ def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str =
     if wrong:
         problems.append(f"wrong shapes {wrong[:4]}")
     if problems:
-        loader = "dspark" if is_dspark(cfg) else "dflash"
+        owner = exported_type(cfg.ARCHITECTURE)
+        loader = owner.chain_method if owner else cfg.ARCHITECTURE
         raise StageError(f"{where}: key check against vLLM's {loader} loader failed: " + "; ".join(problems))
 
 
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
     """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once)."""
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
-    if is_dspark(cfg) and cfg.markov_rank == 0:
-        # Without a Markov head vLLM's dspark loader has nothing to serve: a rank-0 drafter with DFlash's
-        # block convention and no confidence head IS a DFlash drafter and is exported as one.
-        if not cfg.bonus_anchor or cfg.enable_confidence_head:
-            raise StageError(f"{out_dir}: markov_rank 0 exports only as DFlash (bonus_anchor: true, no confidence head)")
-        cfg = DFlashConfig.from_dict(cfg.to_dict())
+    cfg = cfg.as_exported(str(out_dir))  # a rank-0 DSpark drafter exports as DFlash
     check_keys(tensors, cfg, where=str(out_dir))
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -125,6 +115,6 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     cfg, weights = read_exported_config(directory), directory / "model.safetensors"
     tensors = load_file(str(weights))
     check_keys(tensors, cfg, where=str(weights))
-    model = DSparkDrafter(cfg, attn_impl=attn_impl) if is_dspark(cfg) else DFlashDrafter(cfg, attn_impl=attn_impl)
+    model = model_class(cfg.ARCHITECTURE)(cfg, attn_impl=attn_impl)  # the model of the type owning this format
     model.load_state_dict(tensors, strict=True)
     return model.to(device=device, dtype=dtype).eval()

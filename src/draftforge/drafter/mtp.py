@@ -304,7 +304,7 @@ def new_trained_head(target_hf_dir: str | Path, *, init_from_target: bool = True
 def export_mimo_head(head: MTPHead, out_dir: str | Path, target_hf_dir: str | Path, *,
                      dtype: torch.dtype = torch.bfloat16, extra: dict[str, Any] | None = None) -> Path:
     """Write a trained head in vLLM's MiMo MTP checkpoint format (servable with
-    speculative_config {"method": "mtp", "model": out_dir}): config.json (MiMoForCausalLM,
+    speculative_config `{method: mtp, model: out_dir}`): config.json (MiMoForCausalLM,
     num_nextn_predict_layers 1), model.safetensors with model.mtp_layers.0.* plus the target's
     embedding and LM head (vLLM loads both, then shares the target's), and mtp_head.json."""
     from safetensors.torch import save_file

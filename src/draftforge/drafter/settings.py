@@ -6,13 +6,13 @@ while `target`, `curate` and `extract` run once. The target fixes what every dra
 layers, mask token: `target.drafter`); this group owns the drafter's shape and heads, so a block-size
 sweep reruns train and its descendants only.
 
-Branch rules, each owned here:
+Branch rules, all read from the branch's drafter type (drafter/registry.py; one module per type under
+drafter/types/, or a plugin module named by `drafter.module`):
   - `branch_methods`: the engine methods a branch measures (always `ar`, the speedup reference measured
-    in the same run, plus the methods that use this drafter);
-  - `branch_vllm_methods`: the same for vLLM; drafter-free baselines (n-gram, an external EAGLE-3 model)
-    ride with the dflash branch;
-  - `needs_last_layer`: whether extract stores the target's final-normed last layer (any listed drafter
-    or the train objective uses the target's next-token distribution).
+    in the same run, plus its type's engine methods);
+  - `branch_vllm_methods`: the same for vLLM (its type's vLLM methods, drafter-free riders included);
+  - `needs_last_layer`: whether extract stores the target's final-normed last layer (any listed drafter's
+    type reads it, or its objective uses the target's next-token distribution).
 """
 
 from __future__ import annotations
@@ -21,33 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from draftforge.drafter.registry import AR, drafter_type, drafter_types, load_module, type_of
 from draftforge.errors import ConfigError, check
-
-DRAFTER_TYPES = ("dflash", "dspark", "mtp")
-
-# Engine methods that use each drafter type (besides `ar`, which every branch measures).
-_ENGINE_METHODS = {
-    "dflash": ("dflash", "ddtree"),
-    "dspark": ("dspark", "ddtree", "ddtree_markov"),
-    "mtp": ("mtp",),
-}
-# The chain method of each type: what vLLM serves, so the train/serve parity check compares it.
-CHAIN_METHOD = {"dflash": "dflash", "dspark": "dspark", "mtp": "mtp"}
-# vLLM methods per drafter type; drafter-free ones (ngram, eagle3) ride with dflash.
-_VLLM_METHODS = {
-    "dflash": ("dflash", "ngram", "eagle3"),
-    "dspark": ("dspark",),
-    "mtp": ("mtp",),
-}
 
 
 @dataclass
 class DrafterConfig:
     # The group option's name (conf/drafter/<name>.yaml); names the branch's folders. Set in each file.
     name: str = "dflash"
-    # dflash: the block-diffusion drafter; dspark: DFlash backbone + Markov and confidence heads;
-    # mtp: the target's MTP layer (native) or a trained MTP head, no block drafter.
+    # A registered drafter type (drafter/registry.py): dflash (the block-diffusion drafter), dspark (DFlash
+    # backbone + Markov and confidence heads), mtp (the target's MTP layer or a trained MTP head), or a plugin's.
     type: str = "dflash"
+    # Importable module registering `type` when it is not built in (a plugin type); empty for built-ins.
+    module: str = ""
     num_layers: int = 5
     block_size: int = 16
     # Sliding-window draft layers (the published Qwen3.6-27B drafter); 0 = all full attention.
@@ -71,7 +57,9 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, "drafter.name", f"{self.name!r} must be a plain file name")
-        check(self.type in DRAFTER_TYPES, "drafter.type", f"{self.type!r}: use one of {list(DRAFTER_TYPES)}")
+        if self.module:
+            load_module(self.module)
+        check(self.type in drafter_types(), "drafter.type", f"{self.type!r}: use one of {list(drafter_types())}")
         check(self.num_layers >= 1, "drafter.num_layers", f"{self.num_layers} must be >= 1")
         check(self.block_size >= 2, "drafter.block_size", f"{self.block_size} must be >= 2")
         check(self.sliding_window >= 0, "drafter.sliding_window", f"{self.sliding_window} must be >= 0")
@@ -81,21 +69,22 @@ class DrafterConfig:
             check(w is None or w >= 0, f"drafter.loss_{term}", f"{w} must be >= 0")
 
 
-def branch_methods(drafter_type: str, methods: Iterable[str]) -> list[str]:
+def branch_methods(type_name: str, methods: Iterable[str]) -> list[str]:
     """The engine methods (of evaluate.methods, in their order) a branch of this drafter type runs."""
-    mine = ("ar", *_ENGINE_METHODS[drafter_type])
+    mine = (AR, *drafter_type(type_name).engine_methods)
     return [m for m in methods if m in mine]
 
 
-def branch_vllm_methods(drafter_type: str, methods: Iterable[str]) -> list[str]:
+def branch_vllm_methods(type_name: str, methods: Iterable[str]) -> list[str]:
     """The vLLM methods (of the enabled baselines.methods) a branch of this drafter type runs."""
-    mine = ("ar", *_VLLM_METHODS[drafter_type])
+    mine = (AR, *drafter_type(type_name).vllm_methods)
     return [m for m in methods if m in mine]
 
 
-def default_loss_weights(drafter_type: str) -> dict[str, float]:
-    """dflash: CE against the data tokens; dspark: 0.9 × L1 + 0.1 × CE (tv = ½L1, so tv weight 1.8)."""
-    return {"tv": 1.8, "ce": 0.1} if drafter_type == "dspark" else {"ce": 1.0}
+def default_loss_weights(drafter_type_name: str) -> dict[str, float]:
+    """The type's objective when a drafter sets no weight (dflash: CE against the data tokens; dspark:
+    0.9 × L1 + 0.1 × CE, tv = ½L1 so tv weight 1.8)."""
+    return dict(drafter_type(drafter_type_name).default_loss_weights)
 
 
 def effective_loss_weights(drafter: Any) -> dict[str, float]:
@@ -103,7 +92,7 @@ def effective_loss_weights(drafter: Any) -> dict[str, float]:
     given = {t: getattr(drafter, f"loss_{t}", None) for t in ("ce", "kl", "tv")}
     if any(v is not None for v in given.values()):
         return {t: float(v) for t, v in given.items() if v}
-    return default_loss_weights(drafter.type)
+    return dict(type_of(drafter).default_loss_weights)
 
 
 def listed_drafters(cfg: Any, conf_dir: str | Path) -> dict[str, Any]:
@@ -132,16 +121,15 @@ def listed_drafters(cfg: Any, conf_dir: str | Path) -> dict[str, Any]:
 
 
 def needs_last_layer(cfg: Any, conf_dir: str | Path | None = None) -> bool:
-    """Whether extract stores the target's final-normed last layer: a listed DSpark drafter, a trained MTP
-    head (target without MTP layers), a distribution term (kl / tv) or acceptance weighting in any listed
-    drafter's objective reads it. `cfg` is the root config."""
+    """Whether extract stores the target's final-normed last layer: a listed drafter whose type reads it
+    (DSpark; a trained MTP head, i.e. a target without MTP layers), a distribution term (kl / tv) or
+    acceptance weighting in any listed drafter's objective. `cfg` is the root config."""
     if conf_dir is None:
         from draftforge.paths import CONF_DIR
 
         conf_dir = CONF_DIR
     for d in listed_drafters(cfg, conf_dir).values():
         w = effective_loss_weights(d)
-        trained_mtp = d.type == "mtp" and not int(cfg.target.mtp_layers or 0)
-        if d.type == "dspark" or trained_mtp or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or d.acceptance_weighting:
+        if type_of(d).reads_last_layer(d, cfg.target) or w.get("kl", 0) > 0 or w.get("tv", 0) > 0 or d.acceptance_weighting:
             return True
     return False

@@ -36,7 +36,7 @@ from draftforge.engine.tree import Tree, chain_tree
 
 
 def require_dspark(drafter: Any, method: str) -> None:
-    from draftforge.drafter.dspark import is_dspark
+    from draftforge.drafter.types.dspark import is_dspark
 
     if not is_dspark(getattr(drafter, "cfg", None)):
         raise ValueError(f"engine: method {method!r} needs a DSpark drafter (Markov head); this drafter is DFlash: "

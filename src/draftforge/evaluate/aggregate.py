@@ -24,7 +24,8 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any, Sequence
 
-from draftforge.evaluate.budget import TREE_METHODS, mark_auto
+from draftforge.drafter.registry import method_order, source_key_of_method, tree_methods
+from draftforge.evaluate.budget import mark_auto
 from draftforge.rows import Row, new_row
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -85,7 +86,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
     ar_tpot = {(d, t): {k: _mean([r["tpot_s"] for r in rep]) for k, rep in _by_repeat(rs).items()}
                for (d, t, m, _), rs in groups.items() if m == "ar"}  # fmt: skip
     rows: list[Row] = []
-    order = {"ar": 0, "mtp": 1, "dflash": 2, "dspark": 3, "ddtree": 4, "ddtree_markov": 5}  # chains, then trees by budget
+    order = method_order()  # ar, the chains, then the trees by budget
     for (dataset, temp, method, budget), all_rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
         rs = first[(dataset, temp, method, budget)]
         reps = _by_repeat(all_rs)
@@ -129,8 +130,9 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
             overhead_pct=100.0 * overhead / round_ms if round_ms and method != "ar" else None,
             draft_prefill_ms=_ms(_median([_mean([r["draft_prefill_s"] for r in rep]) for rep in reps.values()])) if method != "ar" else None,
         ))  # fmt: skip
-        if method == "mtp":
-            rows[-1]["mtp_source"] = rs[0].get("mtp_source")
+        source_key = source_key_of_method(method)  # whose weights ran it (an MTP row: native / trained)
+        if source_key:
+            rows[-1][source_key] = rs[0].get(source_key)
     mark_best(rows)
     mark_auto(rows, calibration, calibration_prompts)
     return rows
@@ -145,11 +147,11 @@ def mark_best(rows: list[dict[str, Any]]) -> None:
     the evaluation data itself, as the published numbers do."""
     best: dict[tuple, dict[str, Any]] = {}
     for row in rows:
-        if row["method"] not in TREE_METHODS or row["tokens_per_s"] is None:
+        if row["method"] not in tree_methods() or row["tokens_per_s"] is None:
             continue
         k = (row["dataset"], row["temperature"], row["method"])
         if k not in best or row["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = row
     for row in rows:
-        if row["method"] in TREE_METHODS:
+        if row["method"] in tree_methods():
             row["best_budget"] = best.get((row["dataset"], row["temperature"], row["method"])) is row

@@ -20,7 +20,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-TREE_METHODS = ("ddtree", "ddtree_markov")
+from draftforge.drafter.registry import tree_methods  # the registered types' tree methods (budget-swept)
+
 Curve = Mapping[int, "tuple[float | None, float | None]"]  # budget → (τ, cost in seconds per round)
 
 
@@ -52,7 +53,7 @@ def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[in
     """
     groups: dict[tuple, dict[int, dict[int, list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in records:
-        if r["method"] in TREE_METHODS and r.get("budget") is not None:
+        if r["method"] in tree_methods() and r.get("budget") is not None:
             key = (r["dataset"], float(r["temperature"]), r["method"])
             groups[key][int(r["budget"])][int(r.get("repeat", 0))].append(r)
     curves: dict[tuple, dict[int, tuple[float | None, float | None]]] = {}
@@ -88,7 +89,7 @@ def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, An
         prompts[r["dataset"]].add(r["prompt_index"])
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        if row["method"] in TREE_METHODS:
+        if row["method"] in tree_methods():
             groups[(row["dataset"], float(row["temperature"]), row["method"])].append(row)
     for key, group in groups.items():
         curve = curves.get(key, {})

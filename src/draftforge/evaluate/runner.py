@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from draftforge import chat
+from draftforge.drafter.registry import MTP_HEAD, artifact_of_method, source_key_of_method, tree_methods
 from draftforge.engine import METHODS, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
-from draftforge.evaluate.budget import TREE_METHODS  # methods swept over evaluate.budgets
 
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
@@ -38,11 +38,12 @@ class EngineSet:
     eos_ids: list[int]
     max_new_tokens: int
     engine: Any = None  # graph.CapturedEngine (evaluate.engine = captured) | None (eager)
-    mtp: Any = None  # MTPHead (native or trained) for the `mtp` method
+    mtp: Any = None  # MTPHead (native or trained) for the methods drafting with an MTP head
 
     def drafter_for(self, name: str) -> Any:
-        """What `make_method` gets as the drafter: the MTP head for `mtp`, the DFlash drafter otherwise."""
-        return self.mtp if name == "mtp" else self.drafter
+        """What `make_method` gets as the drafter: the MTP head for a method of an MTP-head type, the block
+        drafter otherwise (drafter.registry.artifact_of_method)."""
+        return self.mtp if artifact_of_method(name) == MTP_HEAD else self.drafter
 
 
 def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCfg]:
@@ -50,12 +51,12 @@ def method_plan(methods: Sequence[str], budgets: Sequence[int]) -> list[MethodCf
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise StageError(f"evaluate.methods: unknown {unknown}; known: {list(KNOWN_METHODS)}")
-    if any(m in TREE_METHODS for m in methods) and (not budgets or any(int(b) < 1 for b in budgets)):
+    if any(m in tree_methods() for m in methods) and (not budgets or any(int(b) < 1 for b in budgets)):
         raise StageError(f"evaluate.budgets: {list(budgets)} must be a non-empty list of integers >= 1")
     plan: list[MethodCfg] = [("ar", None)]
     for name in KNOWN_METHODS[1:]:
         if name in methods:
-            plan += [(name, int(b)) for b in budgets] if name in TREE_METHODS else [(name, None)]
+            plan += [(name, int(b)) for b in budgets] if name in tree_methods() else [(name, None)]
     return plan
 
 
@@ -107,7 +108,7 @@ def rotated(plan: Sequence[MethodCfg], repeat: int, repeats: int) -> list[Method
 
 def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
     """The configs calibration measures: every budget of every tree method."""
-    return [(m, b) for m, b in plan if m in TREE_METHODS]
+    return [(m, b) for m, b in plan if m in tree_methods()]
 
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
@@ -151,8 +152,9 @@ def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messag
         res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
         out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
                           budget=method[1], repeat=repeat, split=split))
-        if method[0] == "mtp":  # "native" (the target's MTP layer) or "trained" (train/mtp)
-            out[-1]["mtp_source"] = getattr(es.mtp, "source", None)
+        source_key = source_key_of_method(method[0])  # an MTP head: "native" (the target's layer) or "trained"
+        if source_key:
+            out[-1][source_key] = getattr(es.drafter_for(method[0]), "source", None)
         if turn + 1 < len(turns):
             history_extra.append({"role": "assistant",
                                   "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})

@@ -21,6 +21,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from draftforge.drafter.registry import (
+    BLOCK_DRAFTER,
+    MTP_HEAD,
+    artifact_of_method,
+    drafter_types,
+    exported_type,
+    tree_methods,
+)
 from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
@@ -54,18 +62,14 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     from draftforge.target.load import load_target_model, load_tokenizer
 
     drafter = None
-    if any(m not in ("ar", "mtp") for m, _ in plan):
+    if uses(plan, BLOCK_DRAFTER):
         from draftforge.drafter import load_drafter
 
         ctx.input_marker("train")
-        drafter = load_drafter(ctx.input_dir("train") / "drafter", dtype=dtype, device=device, attn_impl="sdpa")
-        check_drafter(drafter.cfg, info, ctx.input_dir("train") / "drafter")
-        from draftforge.drafter.dspark import is_dspark
-
-        markov = [m for m, _ in plan if m in ("dspark", "ddtree_markov")]
-        if markov and not is_dspark(drafter.cfg):
-            raise StageError(f"evaluate.methods: {sorted(set(markov))} need a DSpark drafter; "
-                             f"{ctx.input_dir('train') / 'drafter'} is a DFlash drafter (it runs dflash / ddtree)")
+        where = ctx.input_dir("train") / BLOCK_DRAFTER
+        drafter = load_drafter(where, dtype=dtype, device=device, attn_impl="sdpa")
+        check_drafter(drafter.cfg, info, where)
+        check_methods(plan, drafter.cfg, where)
     model = load_target_model(info, dtype=dtype, device=str(device))
     taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
     try:
@@ -73,7 +77,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     except ValueError as exc:
         raise StageError(f"{info['hf_path']}: {exc}") from None
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
-    head = load_mtp(ctx, cfg, info, device, dtype) if any(m == "mtp" for m, _ in plan) else None
+    head = load_mtp(ctx, cfg, info, device, dtype) if uses(plan, MTP_HEAD) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
                      engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head)
 
@@ -86,7 +90,7 @@ def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
     if int(info.get("mtp_layers") or 0) > 0:
         where, source = info["hf_path"], "native"
     else:
-        where, source = ctx.input_dir("train") / "mtp", "trained"
+        where, source = ctx.input_dir("train") / MTP_HEAD, "trained"
         if not (where / "config.json").is_file():
             raise StageError(f"evaluate.methods: 'mtp' needs an MTP head: target {info.get('name')!r} has no MTP "
                              f"layers and {where} does not exist (list mtp in `drafters`: its train branch trains one)")
@@ -111,7 +115,8 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, head, plan):
     from draftforge.engine.graph import CapturedEngine, verify_buckets
     from draftforge.engine.methods import make_method
 
-    sizes = [make_method(m, tm, head if m == "mtp" else drafter, b).verify_size for m, b in plan if m != "ar"]
+    sizes = [make_method(m, tm, head if artifact_of_method(m) == MTP_HEAD else drafter, b).verify_size
+             for m, b in plan if m != "ar"]
     try:
         eng = CapturedEngine(tm, cfg.engine_capacity, verify_buckets(sizes), drafter=drafter,
                              compile=cfg.engine == "compiled")
@@ -119,6 +124,24 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, head, plan):
         raise StageError(f"evaluate.engine={cfg.engine}: {exc}") from None
     eng.capture()
     return eng
+
+
+def uses(plan, artifact: str) -> bool:
+    """Whether a planned method drafts with this artifact of the branch's train output (drafter.registry)."""
+    return any(artifact_of_method(m) == artifact for m, _ in plan)
+
+
+def check_methods(plan, dcfg, where) -> None:
+    """Every planned block-drafter method runs on the exported drafter's format: a branch whose type needs
+    another format (a dspark branch whose export is DFlash, e.g. rank 0) is refused before any generation."""
+    owner = exported_type(dcfg.ARCHITECTURE)
+    can = owner.engine_methods if owner is not None else ()
+    bad = sorted({m for m, _ in plan if artifact_of_method(m) == BLOCK_DRAFTER and m not in can})
+    if bad:
+        need = next((t.title for t in drafter_types().values() if set(bad) <= set(t.engine_methods)), "another")
+        title = owner.title if owner is not None else dcfg.ARCHITECTURE
+        raise StageError(f"evaluate.methods: {bad} need a {need} drafter; {where} is a {title} drafter "
+                         f"(it runs {' / '.join(can)})")
 
 
 def check_drafter(dcfg, info: dict[str, Any], where) -> None:
@@ -147,11 +170,11 @@ def main(ctx) -> None:
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     plan = method_plan(branch_methods(ctx.cfg.drafter.type, cfg.methods), cfg.budgets)
-    if any(m not in ("ar", "mtp") for m, _ in plan):  # a drafter trained for another target: refuse before any work
+    if uses(plan, BLOCK_DRAFTER):  # a drafter trained for another target: refuse before any work
         from draftforge.drafter.config import check_drafter_target
 
         ctx.input_marker("train")
-        check_drafter_target(ctx.input_dir("train") / "drafter", info)
+        check_drafter_target(ctx.input_dir("train") / BLOCK_DRAFTER, info)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
     device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)
@@ -227,7 +250,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
         budget = row["budget"] if row["budget"] is not None else ""
         tags = {**base_tags, "method": row["method"], "dataset": row["dataset"], "budget": budget,
                 "engine": "draftforge", "temperature": row["temperature"]}
-        if row["method"] in ("ddtree", "ddtree_markov"):
+        if row["method"] in tree_methods():
             tags["best_budget"] = row.get("best_budget", False)  # oracle: chosen on the evaluation data
             tags["auto_budget"] = row.get("auto_budget", False)  # calibrated: chosen before evaluation
         if row.get("mtp_source"):

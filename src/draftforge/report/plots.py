@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from draftforge.drafter.registry import reference_type, tree_methods  # noqa: E402
 from draftforge.io import atomic_path  # noqa: E402
 
 
@@ -61,15 +62,18 @@ def ddtree_budget_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     series: dict[str, list[tuple[float, float, float, float, float, bool, bool]]] = defaultdict(list)
     chain: dict[str, float] = {}
     mtp: dict[str, list[tuple[str, float, float]]] = defaultdict(list)  # dataset → (label, τ, speedup)
+    ref = reference_type()
+    trees = tree_methods()
     for r in rows:
         if r.get("status", "ok") != "ok":
             continue
-        if r["method"] == "mtp" and r.get("tau") is not None:
+        if ref is not None and r["method"] == ref.chain_method and r.get("tau") is not None:
             mtp[str(r.get("dataset"))].append((_label(r), float(r["tau"]), float(r.get("speedup_vs_ar") or 0)))
         if r["engine"] != "draftforge":
             continue
-        if r["method"] in ("ddtree", "ddtree_markov") and r.get("budget"):
-            key = str(r.get("dataset")) + ("" if r["method"] == "ddtree" else " (ddtree_markov)")
+        if r["method"] in trees and r.get("budget"):
+            # the first registered tree method (every block drafter's ddtree) keeps the bare dataset label
+            key = str(r.get("dataset")) + ("" if r["method"] == trees[0] else f" ({r['method']})")
             below, above = _err(r, "speedup_vs_ar")
             series[key].append((float(r["budget"]), float(r.get("tau") or 0), float(r.get("speedup_vs_ar") or 0),
                                 below, above, bool(r.get("auto_budget")), bool(r.get("best_budget"))))

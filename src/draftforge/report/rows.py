@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from draftforge.drafter.registry import reference_type, source_key_of_method, tree_methods
 from draftforge.errors import StageError
 from draftforge.io import read_json
 from draftforge.rows import ROW_KEYS
@@ -54,13 +55,11 @@ def _num(value: Any, default: float = math.nan) -> float:
         return default
 
 
-TREE_METHODS = ("ddtree", "ddtree_markov")
-
-
-def best_ddtree(rows: list[dict[str, Any]], methods: Sequence[str] = TREE_METHODS,
+def best_ddtree(rows: list[dict[str, Any]], methods: Sequence[str] | None = None,
                 drafter: str | None = None) -> dict[str, dict[str, Any]]:
-    """Per dataset, the tree row (of `methods`, of one drafter branch or any) with the highest tokens/s,
-    chosen on the evaluation data itself."""
+    """Per dataset, the tree row (of `methods`, default every registered tree method; of one drafter branch
+    or any) with the highest tokens/s, chosen on the evaluation data itself."""
+    methods = tree_methods() if methods is None else methods
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
         if row["method"] not in methods or row.get("status", "ok") != "ok":
@@ -78,7 +77,7 @@ def budget_choices(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     and the oracle-best budget's rows, auto tokens/s ÷ oracle tokens/s, and why there is no auto budget if so."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        if row.get("engine") == "draftforge" and row["method"] in TREE_METHODS and row.get("status", "ok") == "ok":
+        if row.get("engine") == "draftforge" and row["method"] in tree_methods() and row.get("status", "ok") == "ok":
             key = (str(row.get("dataset")), _num(row.get("temperature"), 0.0), str(row.get("drafter")), row["method"])
             groups.setdefault(key, []).append(row)
     out = []
@@ -144,27 +143,33 @@ def with_spread(row: dict[str, Any], key: str, digits: int) -> str:
 
 
 def method_label(row: dict[str, Any]) -> str:
-    """The method as the report names it: MTP rows say whose MTP layer ran ("mtp (native)" / "mtp (trained)")."""
-    source = row.get("mtp_source")
-    return f"{row['method']} ({source})" if row.get("method") == "mtp" and source else str(row["method"])
+    """The method as the report names it: a row of a type with a source key says whose weights ran it
+    ("mtp (native)" / "mtp (trained)")."""
+    key = source_key_of_method(str(row.get("method")))
+    source = row.get(key) if key else None
+    return f"{row['method']} ({source})" if source else str(row["method"])
 
 
 def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset: the best tree row's tokens/s (standalone engine, any drafter branch, ddtree or ddtree_markov)
-    ÷ MTP tokens/s in each engine ({dataset: {"ddtree_tokens_per_s", "ddtree_label", "mtp": {engine: {"label",
-    "tokens_per_s", "ratio"}}}}), T = 0 rows."""
+    """Per dataset: the best tree row's tokens/s (standalone engine, any drafter branch, any tree method)
+    ÷ the reference chain's tokens/s in each engine (the registry's tree-reference type, MTP:
+    {dataset: {"ddtree_tokens_per_s", "ddtree_label", <type name>: {engine: {"label", "tokens_per_s", "ratio"}}}}),
+    T = 0 rows."""
+    ref = reference_type()
     best = best_ddtree([r for r in rows if _num(r.get("temperature"), 0.0) == 0.0])
     out: dict[str, dict[str, Any]] = {}
+    if ref is None:
+        return out
     for dataset, d in sorted(best.items()):
-        entry: dict[str, Any] = {"ddtree_tokens_per_s": d.get("tokens_per_s"), "mtp": {},
+        entry: dict[str, Any] = {"ddtree_tokens_per_s": d.get("tokens_per_s"), ref.name: {},
                                  "ddtree_label": f"{d.get('drafter')}/{d['method']}@{d.get('budget')}"}
         for r in rows:
-            if r.get("dataset") != dataset or r["method"] != "mtp" or r.get("status", "ok") != "ok":
+            if r.get("dataset") != dataset or r["method"] != ref.chain_method or r.get("status", "ok") != "ok":
                 continue
             if _num(r.get("temperature"), 0.0) != 0.0 or not _num(r.get("tokens_per_s"), 0):
                 continue
             ratio = _num(d.get("tokens_per_s"), math.nan) / _num(r["tokens_per_s"])
-            entry["mtp"][r["engine"]] = {"label": method_label(r), "tokens_per_s": r["tokens_per_s"], "ratio": ratio}
+            entry[ref.name][r["engine"]] = {"label": method_label(r), "tokens_per_s": r["tokens_per_s"], "ratio": ratio}
         out[dataset] = entry
     return out
 

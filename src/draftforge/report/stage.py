@@ -8,7 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftforge.drafter.settings import CHAIN_METHOD, listed_drafters
+from draftforge.drafter.registry import MTP_HEAD, reference_type, type_of
+from draftforge.drafter.settings import listed_drafters
 from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
@@ -127,7 +128,8 @@ def budget_choice_lines(choices: list[dict[str, Any]]) -> list[str]:
 
 def vs_mtp_lines(table: dict[str, dict[str, Any]], has_mtp_rows: bool = False) -> list[str]:
     """The "vs MTP" table: best-budget DDTree tokens/s ÷ MTP tokens/s, per dataset, in each engine."""
-    engines = sorted({e for v in table.values() for e in v["mtp"]})
+    key = _ref_name()
+    engines = sorted({e for v in table.values() for e in v[key]})
     if not table and has_mtp_rows:
         return ["- (no DDTree rows to compare: list a dflash or dspark drafter in `drafters`, with ddtree in evaluate.methods)"]
     if not engines:
@@ -137,14 +139,26 @@ def vs_mtp_lines(table: dict[str, dict[str, Any]], has_mtp_rows: bool = False) -
     for dataset, v in table.items():
         cells = [dataset, v["ddtree_label"], fmt(v["ddtree_tokens_per_s"], 1)]
         for e in engines:
-            m = v["mtp"].get(e)
+            m = v[key].get(e)
             cells.append(f"{m['ratio']:.2f}× ({fmt(m['tokens_per_s'], 1)} tok/s)" if m else "")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
+def _ref_name() -> str:
+    """The tree-reference type's name (drafter.registry.reference_type): the key of its `vs_mtp` entries."""
+    ref = reference_type()
+    return ref.name if ref is not None else ""
+
+
 def _mtp_name(table: dict[str, dict[str, Any]], engine: str) -> str:
-    return next((v["mtp"][engine]["label"] for v in table.values() if engine in v["mtp"]), "mtp")
+    key = _ref_name()
+    return next((v[key][engine]["label"] for v in table.values() if engine in v[key]), key)
+
+
+def _ref_chain() -> str | None:
+    ref = reference_type()
+    return ref.chain_method if ref is not None else None
 
 
 def branch_lines(drafters: dict[str, Any], trains: dict[str, dict[str, Any]]) -> list[str]:
@@ -152,8 +166,8 @@ def branch_lines(drafters: dict[str, Any], trains: dict[str, dict[str, Any]]) ->
     lines = []
     for name, d in drafters.items():
         t = trains[name]
-        if d.type == "mtp":
-            m = t.get("mtp") or {}
+        if type_of(d).artifact == MTP_HEAD:  # metrics.json holds the head's block under the artifact's name
+            m = t.get(MTP_HEAD) or {}
             done = (f"trained {m.get('steps', '?')} steps (loss {fmt(m.get('loss_first'))} → {fmt(m.get('loss_last'))}); "
                     f"val simulated τ {fmt((m.get('best') or {}).get('val_mtp_sim_tau'))}") if m else "the target's native MTP layer"
             lines.append(f"- **{name}** (MTP head): {done}.")
@@ -186,7 +200,7 @@ def build_report(ctx) -> dict[str, Any]:
     choices = budget_choices(rows)
     repeats = max((int(r.get("repeats") or 1) for r in rows if r["engine"] == "draftforge"), default=1)
     tol = float(ctx.cfg.report.parity_tolerance)
-    parity = {name: parity_block(rows, tol, method=CHAIN_METHOD[d.type], drafter=name) for name, d in drafters.items()}
+    parity = {name: parity_block(rows, tol, method=type_of(d).chain_method, drafter=name) for name, d in drafters.items()}
     parity_lines = []
     for name, block in parity.items():
         parity_lines += [f"### {name}: vLLM `{block['method']}` vs the standalone `{block['method']}` chain", *parity_text(block), ""]
@@ -213,7 +227,7 @@ def build_report(ctx) -> dict[str, Any]:
         "",
         "## DDTree vs MTP (best tree tokens/s ÷ MTP tokens/s, T = 0; \"mtp (native)\": the target's own "
         "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
-        *vs_mtp_lines(mtp_table, any(r["method"] == "mtp" and r.get("status", "ok") == "ok" for r in rows)),
+        *vs_mtp_lines(mtp_table, any(r["method"] == _ref_chain() and r.get("status", "ok") == "ok" for r in rows)),
         "",
         "## Train/serve parity (each branch's chain: vLLM τ vs standalone τ, T = 0)",
         *(parity_lines or ["- (no drafter branches)"]),
@@ -241,7 +255,7 @@ def main(ctx) -> None:
                 if e.get("rel_diff") is not None:
                     run.log_metrics({f"parity_rel_diff_{name}_{dataset}": e["rel_diff"]})
         for dataset, v in report["vs_mtp"].items():
-            for engine, m in v["mtp"].items():
+            for engine, m in v[_ref_name()].items():
                 run.log_metrics({f"ddtree_vs_mtp_{engine}_{dataset}": m["ratio"]})
         for c in report["budget_choices"]:  # auto (calibrated) vs best (oracle) budget per dataset × branch × tree method
             suffix = f"{c['drafter']}_{c['method']}_{c['dataset']}" + (f"_T{c['temperature']:g}" if c["temperature"] else "")
