@@ -96,12 +96,14 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
     every finished stage on upgrade); set to anything else it does."""
     from draftforge.config import ADDED_OPTIONS, compose, stage_params
 
+    other = {"drafter.module": "draftforge.drafter.types.dflash"}  # a string option: an importable module
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")
         plain = stage_params(compose("smoke", ["target=tiny-random"]), "train")
         assert leaf not in plain[section], key
-        changed = stage_params(compose("smoke", ["target=tiny-random", f"{key}=true"]), "train")
-        assert changed[section][leaf] is True and changed != plain
+        value = other.get(key, True)
+        changed = stage_params(compose("smoke", ["target=tiny-random", f"{key}={str(value).lower() if value is True else value}"]), "train")
+        assert changed[section][leaf] == value and changed != plain
 
 
 def test_default_taps_match_published_drafters() -> None:  # reference rule: tests/unit/test_train_recipe.py

@@ -93,6 +93,11 @@ class DFlashConfig:
         return 1
 
     @property
+    def pred_offset(self) -> int:
+        """Slot k predicts the token at anchor + k + pred_offset (the fill-in block: anchor + k)."""
+        return 0
+
+    @property
     def n_draft(self) -> int:
         """Drafts per block pass: the predicting slots first_slot..block_size−1."""
         return self.block_size - self.first_slot
@@ -101,11 +106,6 @@ class DFlashConfig:
     def feature_dim(self) -> int:
         """Width of the concatenated tapped features fed to `fc`."""
         return self.n_taps * self.target_hidden_size
-
-    @property
-    def n_draft(self) -> int:
-        """Tokens one block drafts (slot 0 holds the anchor)."""
-        return self.block_size - 1
 
     def head_shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensors beyond the DFlash backbone (a subclass's heads) → shape, as vLLM's loader consumes them."""

@@ -61,6 +61,9 @@ class DrafterType:
     # "module:Class" of the model config train builds for this type (`Class.from_target(target_info, drafter
     # section)`, docs/architecture.md "Drafter branches"); None for a type without a block drafter.
     model_config: Optional[str] = None
+    # "module:function"(ctx, train cfg, target info, free_bytes) -> train.branch.Branch: how its branch trains
+    # (the block drafters' loop task by default; the MTP head its own task through the same loop).
+    train_branch: str = "draftforge.train.stage:block_branch"
     # Row key naming whose weights ran its chain ("mtp_source": native / trained); labels read "method (source)".
     source_key: Optional[str] = None
     # The report compares the best tree method against this type's chain (the "DDTree vs MTP" table).

@@ -20,7 +20,7 @@ import torch
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
-from draftforge.drafter.settings import default_loss_weights
+from draftforge.drafter.registry import exported_type, model_class
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import Batch, FeatureSource, collate, draw_anchors, truncate
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
@@ -101,7 +101,7 @@ def _autocast(device: torch.device, dtype: torch.dtype):
 
 def convention(dcfg: DFlashConfig) -> tuple[int, int]:
     """(first predicting slot, prediction offset): DFlash (1, 0); DSpark per its bonus_anchor."""
-    return (dcfg.first_slot, dcfg.pred_offset) if is_dspark(dcfg) else (1, 0)
+    return dcfg.first_slot, dcfg.pred_offset
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Objective:
 def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str, float] | None = None,
                    acceptance_weighting: bool = False) -> Objective | None:
     """None for plain CE (the DFlash path); else the distribution objective with these term weights."""
-    weights = check_weights(dict(loss_weights) if loss_weights else default_loss_weights("dspark" if is_dspark(dcfg) else "dflash"))
+    weights = check_weights(dict(loss_weights) if loss_weights else dict(exported_type(dcfg.ARCHITECTURE).default_loss_weights))
     if not is_dspark(dcfg) and weights == {"ce": 1.0} and not acceptance_weighting:
         return None
     conf = cfg.confidence_loss_weight if (is_dspark(dcfg) and dcfg.enable_confidence_head) else 0.0
@@ -231,8 +231,7 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
 
 def build_model(inp: TrainInputs) -> DFlashDrafter:
     torch.manual_seed(inp.cfg.seed)
-    cls = DSparkDrafter if is_dspark(inp.dcfg) else DFlashDrafter
-    model = cls(inp.dcfg, attn_impl=inp.cfg.attn_impl)
+    model = model_class(inp.dcfg.ARCHITECTURE)(inp.dcfg, attn_impl=inp.cfg.attn_impl)
     if inp.cfg.init_from:
         init_from_drafter(model, inp.cfg.init_from)
         log.info("warm start: backbone from the drafter in %s", inp.cfg.init_from)

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
+from draftforge.drafter.registry import build_model_config, resolve, type_of
 from draftforge.drafter.settings import effective_loss_weights
 from draftforge.errors import StageError
 from draftforge.extract.preflight import FreeBytes, disk_free
@@ -53,15 +54,8 @@ log = logging.getLogger(__name__)
 
 
 def drafter_config(shape: Any, info: dict[str, Any]) -> DFlashConfig:
-    """The branch's drafter (`drafter` section) on this target, with DSpark heads for a dspark drafter."""
-    base = DFlashConfig.from_target(info, shape)
-    if shape.type != "dspark":
-        return base
-    from draftforge.drafter.dspark import DSparkConfig
-
-    return DSparkConfig.from_dflash(base, markov_rank=shape.markov_rank, enable_confidence_head=shape.confidence_head,
-                                    confidence_head_with_markov=shape.confidence_head_with_markov and shape.markov_rank > 0,
-                                    bonus_anchor=shape.bonus_anchor)
+    """The branch's drafter (`drafter` section) on this target: its type's model config (drafter.registry)."""
+    return build_model_config(shape, info)
 
 
 def train_config(ctx) -> TrainConfig:
@@ -77,11 +71,7 @@ def drafter_numel(dcfg: DFlashConfig) -> int:
 
 def task_for(drafter: Any) -> BranchBuilder:
     """How the branch of this drafter (`drafter` section: its `type`) trains: the one switch on drafter type."""
-    if drafter.type == "mtp":
-        from draftforge.train.mtp import mtp_branch
-
-        return mtp_branch
-    return block_branch
+    return resolve(type_of(drafter).train_branch)
 
 
 def main(ctx, free_bytes: FreeBytes = disk_free) -> None:

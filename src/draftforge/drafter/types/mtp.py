@@ -25,7 +25,7 @@ def mtp() -> DrafterType:
     return DrafterType(
         name=NAME, title="MTP head", chain_method="mtp", vllm_methods=("mtp",),
         vllm_planners={"mtp": f"{__name__}:plan_vllm"}, default_loss_weights={"ce": 1.0},
-        reads_last_layer=reads_last_layer, artifact=MTP_HEAD, source_key=SOURCE_KEY, tree_reference=True,
+        reads_last_layer=reads_last_layer, artifact=MTP_HEAD, train_branch="draftforge.train.mtp:mtp_branch", source_key=SOURCE_KEY, tree_reference=True,
     )  # fmt: skip
 
 
