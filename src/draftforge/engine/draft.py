@@ -22,6 +22,7 @@ import torch
 
 from draftforge.drafter.inference import DraftKV
 from draftforge.engine.capture import align, capture_graph
+from draftforge.engine.cpu_linear import pack_linears
 from draftforge.engine.state import CapacityError
 
 INITIAL_ROWS = 256  # eager context cache rows before the first doubling
@@ -44,6 +45,8 @@ class DrafterContext:
         cfg = drafter.cfg
         if tuple(cfg.target_layer_ids) != tm.tap_ids:
             raise ValueError(f"drafter taps {cfg.target_layer_ids} != target wrapper taps {list(tm.tap_ids)}")
+        if isinstance(drafter, torch.nn.Module):
+            pack_linears(drafter)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py)
         self.drafter, self.tm, self.static = drafter, tm, static
         self.block, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.first_slot, self.n_draft = cfg.first_slot, cfg.n_draft  # asked of the drafter, never derived here

@@ -126,8 +126,10 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         gdn=gdn.gdn_shape(first_gdn) if first_gdn is not None else None,
         _tap_pos={t: i for i, t in enumerate(taps)},
     )
+    from draftforge.engine.cpu_linear import pack_linears
     from draftforge.engine.fused import plain_blocks
 
+    pack_linears(model)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py); a no-op on CUDA
     tm.runtime = LayerRuntime(fused=[FusedLayer() for _ in kinds], blocks=plain_blocks())
     return tm
 

@@ -1,0 +1,61 @@
+"""CPU decoding: every Linear of a model computes through oneDNN with its weight prepacked once.
+
+On the 2-core AVX2 machine the default world runs on, `F.linear` (MKL sgemm) is far from the memory
+roofline at the row counts decoding uses: a verify of 2–17 rows costs 1.7–5× one row, and the 49K × 576
+LM head over 17 rows 5× its one-row time. oneDNN's linear over a weight reordered once into its blocked
+layout stays near the weight-streaming time from 1 to 17 rows (benchmarks/cpu_roofline.py,
+docs/benchmarks.md "CPU roofline"); for one row through a small weight (a layer's projection in an AR
+step) MKL's GEMV is quicker than oneDNN's call, so that case keeps F.linear. Same function, other rounding: every engine mode calls the same
+patched modules, so eager and static decoding stay equal to each other.
+
+Invariants: the packed copy is used only without autograd (inference); a weight changed in place after
+packing (an optimizer step, load_state_dict) bumps its version and is repacked on the next call, so a
+stale copy is never read; CUDA or non-fp32 weights are left alone.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+SMALL_WEIGHT = 1 << 22  # below this many values a one-row product stays on F.linear (oneDNN's call costs more)
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, w, self.bias)
+    if x.numel() == x.shape[-1] and w.numel() < SMALL_WEIGHT:  # one row, a small weight: MKL's GEMV is quicker
+        return F.linear(x, w, self.bias)
+    if self._draftforge_packed_version != (w.data_ptr(), w._version):  # changed since packing: repack
+        _pack(self)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    y = torch.ops.mkldnn._linear_pointwise(x2, self._draftforge_packed, self.bias, "none", [], "")  # (M, N)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@torch.no_grad()
+def _pack(lin: nn.Linear) -> None:
+    w = lin.weight
+    lin._draftforge_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
+    lin._draftforge_packed_version = (w.data_ptr(), w._version)
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Route every fp32 CPU nn.Linear of `module` through a prepacked oneDNN weight (idempotent) → how many."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    n = 0
+    for lin in module.modules():
+        if not isinstance(lin, nn.Linear) or hasattr(lin, "_draftforge_packed"):
+            continue
+        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32:
+            continue
+        _pack(lin)
+        lin.forward = types.MethodType(_packed_forward, lin)
+        n += 1
+    return n
