@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 SMALL_WEIGHT = 1 << 22  # below this many values a one-row product stays on F.linear (oneDNN's call costs more)
 
 

@@ -1,0 +1,42 @@
+"""engine/cpu_linear.py: prepacked oneDNN linears compute F.linear's function, never read a stale weight, and
+leave autograd to F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftforge.engine.cpu_linear import SMALL_WEIGHT, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
+    torch.manual_seed(n_out + n_in)
+    return nn.Linear(n_in, n_out, bias=bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear_and_is_repacked_after_a_weight_change(rows, bias):
+    big = _lin(SMALL_WEIGHT // 64 + 1, 64, bias)  # one row through a large weight also goes through oneDNN
+    small = _lin(48, 64, bias)
+    for lin in (big, small):
+        assert pack_linears(lin) == 1 and pack_linears(lin) == 0  # idempotent
+        x = torch.randn(1, rows, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            lin.weight.mul_(-2.0)  # in place, as an optimizer step: the packed copy must not be read
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            lin.load_state_dict({k: v * 0.5 for k, v in lin.state_dict().items()})
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_goes_through_f_linear():
+    lin = _lin(32, 16, True)
+    pack_linears(lin)
+    x = torch.randn(3, 16)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, torch.ones(32, 1) * x.sum(0)[None])
