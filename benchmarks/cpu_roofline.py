@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--budgets", default="4,8,16,32")
+    ap.add_argument("--compare-unpacked", action="store_true",
+                    help="also time verify(n) and the drafter pass with every Linear on F.linear (no oneDNN packing)")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
@@ -178,6 +180,8 @@ def main() -> None:
         floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
         rec["rounds"].append({"method": name, "budget": b, **rt, "floor_ms": floor,
                               "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
+    if args.compare_unpacked:  # the same probes with F.linear (MKL), interleaved after the packed ones
+        rec["unpacked"] = unpacked(tm, d, prompt, args)
     write_record("cpu_roofline", rec)
     c = rec["ceilings"]
     print(f"read {c['read_bytes_per_s'] / 1e9:.1f} GB/s  copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s  "
@@ -192,6 +196,27 @@ def main() -> None:
         label = r["method"] + (f"-{r['budget']}" if r["budget"] else "")
         print(f"{label:>9} {r['round_ms']:8.1f} {r['floor_ms']:8.1f} {r['over_floor']:7.2f} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
+    if "unpacked" in rec:
+        u = rec["unpacked"]
+        print("F.linear (unpacked) ms: " + "  ".join(f"v{n} {ms:.1f}" for n, ms in u["verify"].items())
+              + f"  draft {u['draft_ms']:.1f}")
+
+
+def unpacked(tm, d, prompt: list[int], args) -> dict:
+    """verify(n) and the drafter pass with the packed forwards swapped for F.linear, then swapped back."""
+    import torch.nn.functional as F
+
+    lins = [m for m in [*tm.hf.modules(), *d.modules()] if isinstance(m, torch.nn.Linear)]
+    saved = [m.forward for m in lins]
+    for m in lins:
+        m.forward = lambda x, m=m: F.linear(x, m.weight, m.bias)
+    try:
+        out = {"verify": {n: 1e3 * measure_verify(tm, prompt, n, args.reps) for n in SIZES},
+               "draft_ms": 1e3 * measure_draft(tm, d, args.prompt_len, args.reps)}
+    finally:
+        for m, f in zip(lins, saved):
+            m.forward = f
+    return out
 
 
 def _git_sha() -> str:
