@@ -20,9 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draftforge.baselines.config import BaselinesConfig
 from draftforge.curate.config import CurateConfig
+from draftforge.drafter.registry import type_of
 from draftforge.drafter.settings import DrafterConfig, listed_drafters, needs_last_layer
 from draftforge.errors import ConfigError
-from draftforge.evaluate.config import EvaluateConfig
+from draftforge.evaluate.config import EvaluateConfig, check_methods_known
 from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
@@ -88,12 +89,15 @@ def compose(
 
 
 def check_drafters(cfg: DictConfig, overrides: Sequence[str], conf_dir: str | Path) -> None:
-    """Every name in `drafters` has its conf/drafter file, and a chosen group option names itself."""
-    listed_drafters(cfg, conf_dir)
+    """Every name in `drafters` has its conf/drafter file (its type registered), a chosen group option names
+    itself, and every `evaluate.methods` name is known once the listed types are loaded."""
+    for drafter in listed_drafters(cfg, conf_dir).values():
+        type_of(drafter)  # imports a plugin type's module: its methods become known
     chosen = [o.split("=", 1)[1] for o in overrides if override_key(o) == "drafter"]
     if chosen and chosen[-1] != cfg.drafter.name:
         raise ConfigError(f"conf/drafter/{chosen[-1]}.yaml: name is {cfg.drafter.name!r}; set `name: {chosen[-1]}` "
                           "(the branch's folders are named after it)")
+    check_methods_known(list(cfg.evaluate.methods))
 
 
 def branch_overrides(drafter: str | None) -> list[str]:

@@ -53,6 +53,7 @@ def test_every_experiment_and_target_composes(experiment: str, target: str) -> N
         ("drafters=[dflash,nope]", "drafters: 'nope'"),
         ("drafters=[]", "drafters"),
         ("drafter=nope", "nope"),
+        ("evaluate.methods=[ar,dsprk]", "evaluate.methods: unknown ['dsprk']; known: ar, "),
     ],
 )
 def test_bad_config_names_the_key(override: str, named: str) -> None:
@@ -69,6 +70,20 @@ def test_unknown_key_in_a_yaml_file_fails_at_compose(tmp_path: Path) -> None:
     shutil.copytree(CONF_DIR, conf)
     (conf / "experiment" / "default.yaml").write_text("# @package _global_\ntrain:\n  lr: 1e-3\n  learning_rate_typo: 2\n")
     with pytest.raises(ConfigError, match="learning_rate_typo"):
+        compose("default", conf_dir=conf)
+
+
+def test_a_misspelt_method_fails_at_compose_naming_the_known_ones(tmp_path: Path) -> None:
+    """A method name no branch runs was dropped by every branch's filter (only the AR row, exit 0)."""
+    import shutil
+
+    with pytest.raises(ConfigError, match=r"evaluate.methods: unknown \['dsprk'\]; known: ar, .*dspark, ddtree") as err:
+        compose("smoke-hybrid", ["evaluate.methods=[ar,dsprk]"])
+    assert "\n" not in str(err.value)
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "experiment" / "default.yaml").write_text("# @package _global_\nbaselines:\n  methods:\n    dsprk: {enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"baselines.methods: unknown \['dsprk'\]; known: ar, ngram"):
         compose("default", conf_dir=conf)
 
 

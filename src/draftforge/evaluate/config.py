@@ -5,9 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from draftforge.drafter.registry import method_order
 from draftforge.errors import check
 
 COMPUTE_DTYPES = ("", "float32", "bfloat16", "float16")
+
+
+def check_methods_known(methods: List[str]) -> None:
+    """Every `evaluate.methods` name is `ar` or an engine method of a registered drafter type. Called by
+    `config.compose` once the listed drafters' types are loaded (a plugin type's methods count only then), so
+    a typo (`dsprk`) fails at compose instead of being dropped by every branch's method filter."""
+    known = list(method_order())
+    unknown = [m for m in methods if m not in known]
+    check(not unknown, "evaluate.methods", f"unknown {unknown}; known: {', '.join(known)} (a plugin type's methods "
+          "are known once its drafter is listed in `drafters`)")
 
 
 @dataclass
