@@ -45,6 +45,7 @@ def test_every_experiment_and_target_composes(experiment: str, target: str) -> N
         ("target=no-such-target", "no-such-target"),
         ("target.source=ftp", "target.source"),
         ("evaluate.budgets=[0]", "evaluate.budgets"),
+        ("evaluate.engine=bogus", "evaluate.engine: 'bogus' is not one of ['eager', 'captured', 'compiled']"),
         ("curate.sources=[]", "curate.sources"),
         ("baselines.concurrency=[0]", "baselines.concurrency"),
         ("extract.storage_dtype=int4", "extract.storage_dtype"),

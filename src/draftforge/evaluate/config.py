@@ -9,6 +9,7 @@ from draftforge.drafter.registry import method_order
 from draftforge.errors import check
 
 COMPUTE_DTYPES = ("", "float32", "bfloat16", "float16")
+ENGINES = ("eager", "captured", "compiled")
 
 
 def check_methods_known(methods: List[str]) -> None:
@@ -94,4 +95,6 @@ class EvaluateConfig:
         check(isinstance(self.calibration_prompts, int) and self.calibration_prompts >= 0, "evaluate.calibration_prompts",
               f"{self.calibration_prompts} must be an integer >= 0 (0 = no calibration, no auto budget)")  # fmt: skip
         check(self.mtp_drafts >= 1, "evaluate.mtp_drafts", f"{self.mtp_drafts} must be >= 1")
+        check(self.engine in ENGINES, "evaluate.engine", f"{self.engine!r} is not one of {list(ENGINES)}")
+        check(self.engine_capacity >= 1, "evaluate.engine_capacity", f"{self.engine_capacity} must be >= 1")
         check(self.dtype in COMPUTE_DTYPES, "evaluate.dtype", f"{self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")

@@ -110,8 +110,6 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, head, plan):
     docs/architecture.md)."""
     if cfg.engine == "eager":
         return None
-    if cfg.engine not in ("captured", "compiled"):
-        raise StageError(f"evaluate.engine: {cfg.engine!r} is not one of ['eager', 'captured', 'compiled']")
     from draftforge.engine.graph import CapturedEngine, verify_buckets
     from draftforge.engine.methods import make_method
 
