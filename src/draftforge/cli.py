@@ -1,5 +1,8 @@
 """Shared entry for every stage: `python -m draftforge.<stage> experiment=NAME [hydra overrides...]`.
 
+Stages never use the network: importing this module (every stage's `__main__` imports it first, before its
+stage module, MLflow, vLLM or huggingface_hub) sets NO_NETWORK_ENV where the caller left it unset.
+
 Also under torchrun (RANK/WORLD_SIZE set): every rank composes the same config; only rank 0 logs to
 MLflow and writes provenance. A StageError becomes one line on stderr and exit status 2.
 """
@@ -22,6 +25,21 @@ from draftforge.errors import StageError
 from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
 from draftforge.stages import PER_DRAFTER, stage_inputs
+
+# MLflow fetches its telemetry config at import unless told not to (DO_NOT_TRACK must be "true" for it, vLLM
+# only needs it set); vLLM reports usage stats; the HF libraries look models up on the hub. Read at import
+# by each library, so set before any of them is imported; child processes (torchrun ranks, baselines
+# workers, curate's vLLM engine) inherit them.
+NO_NETWORK_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                  "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def no_network_env() -> None:
+    for key, value in NO_NETWORK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+no_network_env()  # before a stage module is imported (none of the imports above imports those libraries)
 
 log = logging.getLogger("draftforge")
 
