@@ -1,4 +1,8 @@
-"""Atomic writes and content hashes. Invariant: a final path either does not exist or is complete."""
+"""Atomic writes and content hashes. Invariant: a final path either does not exist or is complete.
+
+A final file or folder gets the mode a plain `open()` / `mkdir()` would give it (0666 / 0777 less the umask),
+not the 0600 / 0700 of its private temp name: results folders are shared.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,23 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc), else set and restored."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_mode(path: Path) -> None:
+    """Give a temp file / folder the mode a plain open() / mkdir() would have created it with."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~current_umask())
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temp path beside `final`; on success rename it over `final`, on error remove it."""
@@ -34,6 +55,7 @@ def atomic_path(final: str | Path, suffix: str = "") -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        _plain_mode(tmp)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
     finally:
@@ -49,6 +71,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
+        _plain_mode(tmp)
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

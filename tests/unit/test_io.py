@@ -1,0 +1,40 @@
+"""Atomic writes (draftforge/io.py): a final file or folder has the mode a plain open() / mkdir() gives it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from draftforge import io
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_atomic_outputs_get_the_mode_of_a_plain_open(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        assert getattr(io, "current_umask", lambda: umask)() == umask  # read without changing it
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+        (tmp_path / "plain_dir").mkdir()
+        io.write_json(tmp_path / "a.json", {"a": 1})
+        io.write_text(tmp_path / "sub" / "b.txt", "b")
+        with io.atomic_path(tmp_path / "c.bin") as tmp:
+            tmp.write_bytes(b"c")
+        with io.atomic_dir(tmp_path / "export") as tmp:
+            (tmp / "config.json").write_text("{}")
+        with io.atomic_dir(tmp_path / "export") as tmp:  # replacing an existing folder
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert _mode(plain) == 0o666 & ~umask
+    for name in ("a.json", "sub/b.txt", "c.bin", "export/config.json"):
+        assert _mode(tmp_path / name) == _mode(plain), name
+    assert _mode(tmp_path / "export") == _mode(tmp_path / "plain_dir") == 0o777 & ~umask
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left behind
