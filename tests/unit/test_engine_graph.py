@@ -145,7 +145,7 @@ def test_buckets_and_errors():
 
 
 def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
-    from draftforge.errors import StageError
+    from draftforge.errors import ConfigError
     from draftforge.evaluate.config import EvaluateConfig
     from draftforge.evaluate.runner import method_plan
     from draftforge.evaluate.stage import captured_engine
@@ -156,13 +156,31 @@ def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
     assert captured_engine(EvaluateConfig(), tm, d, None, plan) is None  # default: eager
     eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, None, plan)
     assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
-    with pytest.raises(StageError, match="evaluate.engine"):
-        captured_engine(EvaluateConfig(engine="graph"), tm, d, None, plan)
+    with pytest.raises(ConfigError, match="evaluate.engine: 'graph' is not one of"):  # refused at compose
+        EvaluateConfig(engine="graph")
     # a DSpark chain verifies its n_draft + 1 = B + 1 rows (every slot drafts): the bucket is the method's own
     ds = tiny_dspark_drafter(tm, seed=7)
     eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, ds, None,
                           method_plan(["ar", "dspark", "ddtree_markov"], [8]))
     assert eng.buckets == (1, ds.cfg.block_size + 1, 9)  # B = 6: dspark 7, ddtree_markov budget 8 → 9
+
+
+def test_a_prompt_over_the_engine_capacity_is_one_stage_error_naming_the_key():
+    """evaluate's generations (runner.run_one) turn the captured engine's CapacityError into one StageError line
+    naming evaluate.engine_capacity, the prompt length and the capacity that fits."""
+    from draftforge.errors import StageError
+    from draftforge.evaluate.runner import EngineSet, run_one
+
+    tm = tiny_target(seed=6)
+    d = tiny_drafter(tm, seed=6)
+    eng = CapturedEngine(tm, 100, verify_buckets([d.cfg.block_size]), drafter=d)  # 128 rows after alignment
+    es = EngineSet(tm=tm, drafter=d, tokenizer=None, eos_ids=[], max_new_tokens=8, engine=eng)
+    with pytest.raises(StageError, match=r"evaluate.engine_capacity: 128 rows do not fit a prompt of 129 tokens .* "
+                                         r"set evaluate.engine_capacity >= 138") as err:
+        run_one(es, ("ar", None), prompt(tm.vocab_size, 129), 0.0, seed=0)
+    assert "\n" not in str(err.value)
+    with pytest.raises(StageError, match=r"prompt of 120 tokens \+ evaluate.max_new_tokens 8 \+ dflash's verify"):
+        run_one(es, ("dflash", None), prompt(tm.vocab_size, 120), 0.0, seed=0)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from draftforge import chat
 from draftforge.drafter.registry import MTP_HEAD, artifact_of_method, source_key_of_method, tree_methods
-from draftforge.engine import METHODS, GenResult, TargetModel, generate, make_method
+from draftforge.engine import METHODS, CapacityError, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
@@ -83,8 +83,15 @@ def run_one(es: EngineSet, method: MethodCfg, prompt_ids: list[int], temperature
     if temperature > 0:
         gen = torch.Generator(device=es.tm.device).manual_seed(seed)
     method = make_method(name, es.tm, es.drafter_for(name), budget)
-    return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
-                    generator=gen, engine=es.engine)
+    try:
+        return generate(es.tm, method, prompt_ids, es.max_new_tokens, temperature=temperature, eos_ids=es.eos_ids,
+                        generator=gen, engine=es.engine)
+    except CapacityError as exc:  # only the captured engine has a fixed capacity
+        verify = method.verify_size if method is not None else 1
+        need = len(prompt_ids) + es.max_new_tokens + verify
+        raise StageError(f"evaluate.engine_capacity: {getattr(es.engine, 'capacity', '?')} rows do not fit a prompt of "
+                         f"{len(prompt_ids)} tokens + evaluate.max_new_tokens {es.max_new_tokens} + {name}'s verify "
+                         f"{verify}; set evaluate.engine_capacity >= {need} ({exc})") from None
 
 
 def record(res: GenResult, *, dataset: str, prompt_index: int, turn: int, temperature: float,
