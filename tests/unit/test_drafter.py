@@ -184,6 +184,21 @@ def test_export_round_trip_and_key_check(model, tmp_path):
         check_keys({**state, "fc.weight": torch.zeros(64, 64)}, cfg)
 
 
+def test_a_truncated_export_is_one_error_naming_the_file(tmp_path):
+    """A drafter export whose model.safetensors was cut short (a copy interrupted, a full disk elsewhere) is one
+    StageError naming the file, not the safetensors library's traceback."""
+    torch.manual_seed(0)
+    cfg = small_cfg()
+    out = export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "drafter", dtype=torch.float32)
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    for cut in (len(data) // 2, 4):  # data cut short; the header itself cut short
+        weights.write_bytes(data[:cut])
+        with pytest.raises(StageError, match=rf"{weights}: not a readable safetensors file \(.*\); it is truncated") as err:
+            load_drafter(out)
+        assert "\n" not in str(err.value)
+
+
 def test_warm_start_copies_target_layers(tiny_target_info):
     from draftforge.drafter.warm_start import init_from_target, read_tensors
 

@@ -230,3 +230,21 @@ def test_export_for_a_tied_target_round_trips(tmp_path):
     assert back.source == "trained"
     for k, v in head.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v)
+
+
+def test_a_truncated_head_export_is_one_error_naming_the_file(tmp_path):
+    """The MTP head loader (lazy safetensors reads) names a truncated model.safetensors in one StageError."""
+    from draftforge.drafter.mtp import export_mimo_head, new_trained_head
+    from draftforge.errors import StageError
+    from draftforge.target.config import RandomTargetConfig
+    from draftforge.target.random import save_random_target
+
+    spec = RandomTargetConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16)
+    tdir = save_random_target(spec, tmp_path / "target")
+    out = export_mimo_head(new_trained_head(tdir)[0], tmp_path / "mtp", tdir, dtype=torch.float32)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(StageError, match=rf"{weights}: not a readable safetensors file \(.*\); it is truncated") as err:
+        load_mtp_head(out)
+    assert "\n" not in str(err.value)

@@ -13,10 +13,14 @@ which vLLM's Qwen3DSparkForCausalLM.load_weights prefixes with `model.` the same
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from draftforge.drafter.config import DFlashConfig, read_exported_config
@@ -109,11 +113,35 @@ def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path,
     return Path(out_dir)
 
 
+def unreadable_weights(path: str | Path, exc: BaseException) -> StageError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return StageError(f"{path}: not a readable safetensors file ({first}); it is truncated or corrupt: restore it, or "
+                      "rerun the stage that wrote it")
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a truncated or corrupt file is one StageError naming it."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise unreadable_weights(path, exc) from None
+
+
+@contextlib.contextmanager
+def open_weights(path: str | Path) -> Iterator[Any]:
+    """`safe_open` of one safetensors file (lazy reads); a truncated or corrupt file is one StageError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            yield fh
+    except SafetensorError as exc:
+        raise unreadable_weights(path, exc) from None
+
+
 def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_impl: str = "auto") -> DFlashDrafter:
     """Load an exported drafter (our engine); validates config and keys with clear errors."""
     directory = Path(directory)
     cfg, weights = read_exported_config(directory), directory / "model.safetensors"
-    tensors = load_file(str(weights))
+    tensors = load_weights(weights)
     check_keys(tensors, cfg, where=str(weights))
     model = model_class(cfg.ARCHITECTURE)(cfg, attn_impl=attn_impl)  # the model of the type owning this format
     model.load_state_dict(tensors, strict=True)

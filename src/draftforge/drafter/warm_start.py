@@ -12,9 +12,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from draftforge.drafter.export import LAYER_KEYS
+from draftforge.drafter.export import LAYER_KEYS, open_weights
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.errors import StageError
 
@@ -33,7 +32,7 @@ def tensor_locations(hf_dir: str | Path) -> dict[str, Path]:
         raise StageError(f"{hf_dir}: no *.safetensors weights in the target folder")
     out: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
+        with open_weights(f) as fh:
             out.update({name: f for name in fh.keys()})
     return out
 
@@ -47,7 +46,7 @@ def read_tensors(hf_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor
             by_file.setdefault(where[name], []).append(name)
     out: dict[str, torch.Tensor] = {}
     for f, group in by_file.items():
-        with safe_open(str(f), framework="pt") as fh:
+        with open_weights(f) as fh:
             out.update({name: fh.get_tensor(name) for name in group})
     return out
 

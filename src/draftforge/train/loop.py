@@ -248,9 +248,8 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
 
     The source's shape (layers, width, taps, block size) must match; its block convention may differ
     (a DFlash drafter warm-starts a DSpark one)."""
-    from safetensors.torch import load_file
-
     from draftforge.drafter.config import read_exported_config
+    from draftforge.drafter.export import load_weights
     from draftforge.errors import StageError
 
     src_cfg = read_exported_config(directory)
@@ -259,7 +258,7 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
     diff = [k for k in keys if getattr(src_cfg, k) != getattr(model.cfg, k)]
     if diff:
         raise StageError(f"train.init_from={directory}: drafter shape differs in {diff}")
-    tensors = load_file(str(Path(directory) / "model.safetensors"))
+    tensors = load_weights(Path(directory) / "model.safetensors")
     own = model.state_dict()
     backbone = {k: v.to(own[k].dtype) for k, v in tensors.items() if k in own and not k.startswith(("markov_head.", "confidence_head."))}
     missing = [k for k in own if not k.startswith(("markov_head.", "confidence_head.")) and k not in backbone]
