@@ -45,6 +45,9 @@ def test_every_experiment_and_target_composes(experiment: str, target: str) -> N
         ("target=no-such-target", "no-such-target"),
         ("target.source=ftp", "target.source"),
         ("evaluate.budgets=[0]", "evaluate.budgets"),
+        ("evaluate.budgets=[16,100000]", "evaluate.budgets: [16, 100000]: a tree budget above 4096 nodes is refused"),
+        ("evaluate.max_new_tokens=100000000", "evaluate.max_new_tokens: 100000000 is above the limit of 32768"),
+        ("baselines.max_new_tokens=100000000", "baselines.max_new_tokens: 100000000 must be in [1, 32768]"),
         ("evaluate.engine=bogus", "evaluate.engine: 'bogus' is not one of ['eager', 'captured', 'compiled']"),
         ("curate.sources=[]", "curate.sources"),
         ("baselines.concurrency=[0]", "baselines.concurrency"),
@@ -86,6 +89,14 @@ def test_a_misspelt_method_fails_at_compose_naming_the_known_ones(tmp_path: Path
     (conf / "experiment" / "default.yaml").write_text("# @package _global_\nbaselines:\n  methods:\n    dsprk: {enabled: true}\n")
     with pytest.raises(ConfigError, match=r"baselines.methods: unknown \['dsprk'\]; known: ar, ngram"):
         compose("default", conf_dir=conf)
+
+
+def test_a_captured_engine_too_small_for_the_answers_fails_at_compose() -> None:
+    with pytest.raises(ConfigError, match=r"evaluate.engine_capacity: 128 rows cannot hold evaluate.max_new_tokens 64 "
+                                          r"\+ a verify of 65"):
+        compose("default", ["evaluate.engine=captured", "evaluate.engine_capacity=128"])
+    assert compose("default", ["evaluate.engine=captured", "evaluate.engine_capacity=256"]).evaluate.engine_capacity == 256
+    compose("default", ["evaluate.engine_capacity=128"])  # eager: the capacity is unused
 
 
 def test_stage_overrides_keep_only_what_a_stage_reads() -> None:

@@ -154,13 +154,13 @@ def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
     d = tiny_drafter(tm, seed=7)
     plan = method_plan(["ar", "dflash", "ddtree"], [4, 16])
     assert captured_engine(EvaluateConfig(), tm, d, None, plan) is None  # default: eager
-    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, d, None, plan)
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256, budgets=[4, 16], max_new_tokens=16), tm, d, None, plan)
     assert eng.buckets == (1, 5, d.cfg.block_size, 17) and eng.capacity == 256
     with pytest.raises(ConfigError, match="evaluate.engine: 'graph' is not one of"):  # refused at compose
         EvaluateConfig(engine="graph")
     # a DSpark chain verifies its n_draft + 1 = B + 1 rows (every slot drafts): the bucket is the method's own
     ds = tiny_dspark_drafter(tm, seed=7)
-    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256), tm, ds, None,
+    eng = captured_engine(EvaluateConfig(engine="captured", engine_capacity=256, budgets=[4, 16], max_new_tokens=16), tm, ds, None,
                           method_plan(["ar", "dspark", "ddtree_markov"], [8]))
     assert eng.buckets == (1, ds.cfg.block_size + 1, 9)  # B = 6: dspark 7, ddtree_markov budget 8 → 9
 

@@ -104,12 +104,15 @@ def test_interleaved_order(monkeypatch):
     assert runner.rotated(plan, 0, 1) == plan and runner.calibration_plan(plan) == plan[2:]
 
 
-def test_calibration_prompts_disjoint_from_eval_prompts():
+def test_calibration_prompts_disjoint_from_eval_prompts(caplog):
     cfg = EvaluateConfig(datasets=["humaneval", "gsm_symbolic", "chitchat", "mt_bench"], num_prompts=4, calibration_prompts=2)
     cfg.gsm_symbolic.size = 5  # a pool with one prompt left after the evaluation ones
     evals, calib = eval_and_calibration_sets(cfg)
     assert evals == eval_prompt_sets(cfg, limit=4)  # what baselines runs on
     assert {k: len(v) for k, v in calib.items()} == {"humaneval": 2, "gsm_symbolic": 1, "chitchat": 2, "mt_bench": 2}
+    short = [r.getMessage() for r in caplog.records if "evaluate.calibration_prompts" in r.getMessage()]
+    assert short == ["evaluate.calibration_prompts=2: gsm_symbolic's held-out pool gives only 1 after its 4 evaluation "
+                     "prompts; calibrating on those 1 (set evaluate.calibration_prompts <= 1 to silence this)"]
     for name, picked in calib.items():
         assert all(i >= 4 for i, _ in picked)
         eval_texts = {json.dumps(p) for p in evals[name]}

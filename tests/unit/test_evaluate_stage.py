@@ -29,6 +29,22 @@ def test_bad_inputs_are_one_clear_error(tmp_path):
         run_stage("evaluate", main, argv=_args(tmp_path))
 
 
+def test_max_new_tokens_beyond_the_targets_positions_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from draftforge.config import compose
+    from draftforge.io import write_json
+    from draftforge.paths import stage_marker
+    from draftforge.target.stage import resolve_target
+
+    cfg = compose("smoke", ["target=tiny-random", f"results_root={tmp_path}"])
+    info = resolve_target(cfg.target, tmp_path)
+    write_json(stage_marker(tmp_path, "smoke", "target"), {**info, "max_position_embeddings": 64})
+    monkeypatch.setattr("draftforge.evaluate.stage.load_engines", lambda *a: pytest.fail("loaded models"))
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.max_new_tokens=100"))
+    assert exit_.value.code == 2
+    assert "evaluate.max_new_tokens: 100 is above the target's max_position_embeddings 64" in capsys.readouterr().err
+
+
 def test_split_turns_multiturn():
     convo = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert split_turns(convo) == [[convo[0]], convo]

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 from draftforge.drafter.registry import served_vllm_methods
 from draftforge.errors import check
+from draftforge.evaluate.config import MAX_NEW_TOKENS
 
 # Drafter-free vLLM methods: `ar` (no speculation) first, n-gram before the drafters' methods, EAGLE-3 (an
 # external model) after them. The drafters' methods are their types' (drafter.registry.served_vllm_methods).
@@ -83,7 +84,8 @@ class BaselinesConfig:
         check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(known)}")
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "baselines.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
-        check(self.max_new_tokens is None or self.max_new_tokens >= 1, "baselines.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        check(self.max_new_tokens is None or 1 <= self.max_new_tokens <= MAX_NEW_TOKENS, "baselines.max_new_tokens",
+              f"{self.max_new_tokens} must be in [1, {MAX_NEW_TOKENS}]")
         check(self.datasets is None or bool(self.datasets), "baselines.datasets", "empty (null = evaluate.datasets)")
         check(self.device in ("auto", "cpu", "cuda"), "baselines.device", f"{self.device!r} must be auto, cpu or cuda")
         check(self.kv_cache_gib > 0, "baselines.kv_cache_gib", f"{self.kv_cache_gib} must be > 0")

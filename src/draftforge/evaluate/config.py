@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from draftforge.drafter.registry import method_order
+from draftforge.drafter.registry import method_order, tree_methods
 from draftforge.errors import check
 
 COMPUTE_DTYPES = ("", "float32", "bfloat16", "float16")
 ENGINES = ("eager", "captured", "compiled")
+# Sanity bounds (compose-time): a tree of more nodes than MAX_BUDGET, or more than MAX_NEW_TOKENS new tokens
+# per answer, only allocates for minutes before failing. The evaluate stage also refuses max_new_tokens above
+# the target's max_position_embeddings once it has read target.json.
+MAX_BUDGET = 4096
+MAX_NEW_TOKENS = 32768
 
 
 def check_methods_known(methods: List[str]) -> None:
@@ -88,6 +93,10 @@ class EvaluateConfig:
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "evaluate.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
         check(self.max_new_tokens >= 1, "evaluate.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
+        check(self.max_new_tokens <= MAX_NEW_TOKENS, "evaluate.max_new_tokens",
+              f"{self.max_new_tokens} is above the limit of {MAX_NEW_TOKENS} new tokens per answer")
+        check(all(int(b) <= MAX_BUDGET for b in self.budgets), "evaluate.budgets",
+              f"{list(self.budgets)}: a tree budget above {MAX_BUDGET} nodes is refused")
         check(self.num_prompts >= 0, "evaluate.num_prompts", f"{self.num_prompts} must be >= 0 (0 = all)")
         check(self.gpus >= 0, "evaluate.gpus", f"{self.gpus} must be >= 0")
         check(self.warmup >= 0, "evaluate.warmup", f"{self.warmup} must be >= 0")
@@ -97,4 +106,10 @@ class EvaluateConfig:
         check(self.mtp_drafts >= 1, "evaluate.mtp_drafts", f"{self.mtp_drafts} must be >= 1")
         check(self.engine in ENGINES, "evaluate.engine", f"{self.engine!r} is not one of {list(ENGINES)}")
         check(self.engine_capacity >= 1, "evaluate.engine_capacity", f"{self.engine_capacity} must be >= 1")
+        if self.engine != "eager":  # the fixed capacity holds prompt + max_new_tokens + the largest verify
+            verify = 1 + (max(int(b) for b in self.budgets) if set(self.methods) & set(tree_methods()) else 0)
+            need = self.max_new_tokens + verify
+            check(need < self.engine_capacity, "evaluate.engine_capacity",
+                  f"{self.engine_capacity} rows cannot hold evaluate.max_new_tokens {self.max_new_tokens} + a verify "
+                  f"of {verify} (+ the prompt); raise it or lower max_new_tokens / budgets")
         check(self.dtype in COMPUTE_DTYPES, "evaluate.dtype", f"{self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from draftforge import holdout
 from draftforge.errors import StageError
+
+log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 
@@ -224,7 +227,7 @@ def eval_and_calibration_sets(cfg: Any) -> tuple[dict[str, list[Messages]], dict
     prompt's (or an earlier calibration prompt's): disjoint from the evaluation prompts in index and
     content, and held out from training like them (curate decontaminates against whole pools). Empty
     when the evaluation prompts take the whole pool (num_prompts = 0) or calibration_prompts = 0; shorter
-    than asked when the pool runs out.
+    than asked when the pool runs out, with a warning naming the key and the count used.
     """
     ev = _evaluate_section(cfg)
     n, k = int(ev.num_prompts), int(getattr(ev, "calibration_prompts", 0))
@@ -241,5 +244,9 @@ def eval_and_calibration_sets(cfg: Any) -> tuple[dict[str, list[Messages]], dict
             if key not in seen:
                 seen.add(key)
                 picked.append((index, prompts[index]))
+        if n and len(picked) < k:  # the rest of the pool is shorter than asked: say so, naming the key
+            log.warning("evaluate.calibration_prompts=%d: %s's held-out pool gives only %d after its %d evaluation "
+                        "prompts; calibrating on those %d (set evaluate.calibration_prompts <= %d to silence this)",
+                        k, name, len(picked), n, len(picked), len(picked))
         calib[str(name)] = picked
     return evals, calib

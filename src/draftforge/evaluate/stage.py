@@ -167,6 +167,10 @@ def main(ctx) -> None:
 
     cfg = evaluate_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
+    positions = int(info.get("max_position_embeddings") or 0)
+    if positions and cfg.max_new_tokens > positions:  # before any model loads
+        raise StageError(f"evaluate.max_new_tokens: {cfg.max_new_tokens} is above the target's max_position_embeddings "
+                         f"{positions}; set it below {positions} minus the prompt length")
     plan = method_plan(branch_methods(ctx.cfg.drafter.type, cfg.methods), cfg.budgets)
     if uses(plan, BLOCK_DRAFTER):  # a drafter trained for another target: refuse before any work
         from draftforge.drafter.config import check_drafter_target
