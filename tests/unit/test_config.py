@@ -99,6 +99,12 @@ def test_a_captured_engine_too_small_for_the_answers_fails_at_compose() -> None:
     compose("default", ["evaluate.engine_capacity=128"])  # eager: the capacity is unused
 
 
+def test_smoke_runs_train_the_mtp_head_a_few_steps() -> None:
+    cfg = compose("smoke-hybrid")
+    assert "mtp" in cfg.drafters and cfg.train.mtp_steps <= cfg.train.max_steps  # minutes, not the default 2,000
+    assert cfg.train.mtp_eval_every <= cfg.train.mtp_steps
+
+
 def test_stage_overrides_keep_only_what_a_stage_reads() -> None:
     overrides = ["evaluate.budgets=[16]", "target=tiny-random", "seed=3", "+train.lr=1", "curate.max_rows=5",
                  "evaluate.gsm_symbolic.seed=7"]  # fmt: skip
