@@ -59,7 +59,7 @@ def test_unimportable_vllm_records_skips_for_every_method(tiny_target_info, tmp_
         ((), "train/dflash/metrics.json: missing; run the `train` stage first"),
         (("+baselines.methods.medusa.enabled=true", "baselines.methods.dflash.enabled=false"), "override +baselines.methods.medusa.enabled=true"),
         (("baselines.methods.dflash.model=/nonexistent/drafter", "baselines.methods.dspark.enabled=false"), "/nonexistent/drafter: not an exported drafter"),
-        (("baselines.max_new_tokens=0", "baselines.methods.dflash.enabled=false", "baselines.methods.dspark.enabled=false"), "baselines.max_new_tokens: 0 must be >= 1"),
+        (("baselines.max_new_tokens=0", "baselines.methods.dflash.enabled=false", "baselines.methods.dspark.enabled=false"), "baselines.max_new_tokens: 0 must be in [1, 32768]"),
     ],
 )
 def test_bad_input_is_one_stage_error(tiny_target_info, tmp_path, capsys, extra, message):
