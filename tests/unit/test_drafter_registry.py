@@ -114,3 +114,14 @@ def test_plugin_module_that_does_not_import_is_one_clear_error(toy_conf):
     (toy_conf / "drafter" / "toy.yaml").write_text("name: toy\ntype: toy\nmodule: no_such_drafter_module\n")
     with pytest.raises(ConfigError, match="drafter.module: cannot import 'no_such_drafter_module'"):
         compose("smoke", ["drafters=[dflash,toy]", "drafter=toy"], conf_dir=toy_conf)
+
+
+def test_type_order_does_not_depend_on_which_module_was_imported_first():
+    import subprocess
+    import sys
+
+    code = ("import draftforge.drafter.types.mtp, draftforge.drafter.types.dspark\n"
+            "from draftforge.drafter import registry\n"
+            "assert list(registry.drafter_types())[:3] == ['dflash', 'dspark', 'mtp'], list(registry.drafter_types())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -125,7 +125,10 @@ def load_module(module: str, key: str = "drafter.module") -> None:
 def drafter_types() -> dict[str, DrafterType]:
     """name → type, every registered type (built-ins first, then plugins in import order)."""
     _builtins()
-    return dict(_TYPES)
+    plugins = len(BUILTIN_MODULES)  # built-ins in their fixed order whatever imported them first, then plugins
+    rank = {name: (BUILTIN_MODULES.index(t.module) if t.module in BUILTIN_MODULES else plugins, i)
+            for i, (name, t) in enumerate(_TYPES.items())}
+    return {name: _TYPES[name] for name in sorted(_TYPES, key=rank.get)}
 
 
 def drafter_type(name: str, key: str = "drafter.type") -> DrafterType:
