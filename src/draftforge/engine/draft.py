@@ -35,7 +35,6 @@ class StaticDraft:
     capacity: int  # the target's fixed capacity; the drafter's cache holds capacity + 2B rows
     blocks: Any
     fused: list[Any] | None
-    graphs: bool  # CUDA: capture the padded step as a graph
 
 
 class DrafterContext:
@@ -115,16 +114,12 @@ class DrafterContext:
         if self.length + n_new != start:
             raise ValueError(f"drafter context: cache holds {self.length} positions + {n_new} new != start {start}")
         B = self.block
+        if self.static is not None and start + B > self.cache.capacity:
+            raise CapacityError(f"captured engine: drafter block at {start} exceeds its capacity {self.cache.capacity}")
         if self.static is None or n_new > B:
-            if start + B > self.cache.capacity and self.static is not None:
-                raise CapacityError(f"captured engine: drafter block at {start} exceeds its capacity "
-                                    f"{self.cache.capacity}")
             h = self._eager(bonus, start, n_new)
             out = self.tm.lm_head(h[0, self.first_slot :].to(self.tm.dtype))
         else:
-            if start + B > self.cache.capacity:
-                raise CapacityError(f"captured engine: drafter block at {start} exceeds its capacity "
-                                    f"{self.cache.capacity}")
             if n_new:
                 self.feats[:, :n_new].copy_(self.pending)
             m = self.hmeta

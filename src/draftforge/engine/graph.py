@@ -138,7 +138,7 @@ class CapturedEngine:
         self.drafter = None  # the drafter's static context: the same block pass, fixed buffers (draft.py)
         if drafter is not None:
             static = StaticDraft(self.capacity, self.runtime.blocks,
-                                 fused_blocks.fuse_drafter(drafter) if fuse else None, self.graphs)
+                                 fused_blocks.fuse_drafter(drafter) if fuse else None)
             self.drafter = DrafterContext(drafter, tm, static)
         self.pool = None
         self.capture_s: dict[str, float] = {}
