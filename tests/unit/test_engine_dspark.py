@@ -141,3 +141,34 @@ def test_markov_argmax_is_the_full_vocabulary_argmax():
         e = torch.randn(r, generator=g, dtype=torch.float64)
         full = int((z + w2 @ e).argmax())
         assert markov_argmax(z, e, w2, w2.norm(dim=1), k=4) == full, trial
+
+
+def test_markov_tree_is_the_budget_best_prefixes_by_brute_force():
+    """Every prefix up to the drafted depth scored by its conditioned log-probs; the tree holds exactly the
+    `budget` best, parents before children."""
+    import itertools
+
+    g = torch.Generator().manual_seed(5)
+    V, D = 6, 3
+    for trial in range(6):
+        base = 3 * torch.randn(D, V, generator=g)
+        table = 3 * torch.randn(V, V, generator=g)  # bias(x) = table[x]
+        bias = table.__getitem__
+        scores = {}
+        for depth in range(1, D + 1):
+            for path in itertools.product(range(V), repeat=depth):
+                prev, s = 2, 0.0
+                for d, tok in enumerate(path):
+                    s += float(torch.log_softmax(base[d] + table[prev], -1)[tok])
+                    prev = tok
+                scores[path] = s
+        for budget in (1, 5, 17, 40):
+            want = set(sorted(scores, key=lambda p: -scores[p])[:budget])
+            tree = build_markov_tree(2, base, bias, budget)
+            paths = []
+            for i in range(1, len(tree)):
+                assert tree.parents[i] < i, (trial, budget)
+                parent = paths[tree.parents[i] - 1] if tree.parents[i] > 0 else ()
+                paths.append(parent + (tree.tokens[i],))
+            assert set(paths) == want, (trial, budget)
+            assert tree.scores[1:] == pytest.approx([scores[p] for p in paths], abs=1e-4)

@@ -25,7 +25,6 @@ best prefixes, topologically ordered.
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import torch
@@ -123,43 +122,47 @@ def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: t
 
 
 def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int) -> Tree:
-    """Best-first tree of `budget` nodes; children of a node at depth d with token x are the top-K of
-    log_softmax(base[d] + bias(x)) (fp32, full vocabulary), K = min(budget, V)."""
+    """The `budget` best prefixes, where a node at depth d with token x has children ranked by
+    log_softmax(base[d] + bias(x)) (fp32, full vocabulary), top K = min(budget, V) of them.
+
+    Built a depth at a time: the best `budget` prefixes are prefix-closed (log-probs ≤ 0, so a child never
+    outscores its parent), hence each depth's members are among the top K children of the previous depth's
+    members, and one batched (n, r) × (r, V) product, log-softmax and top-K per depth replaces one per node.
+    A candidate below the budget-th best score found so far can neither enter nor have a descendant enter,
+    so it is dropped before its depth is expanded. Nodes are ordered by score, the shallower first on a tie:
+    parents precede children (the verify input is topologically ordered)."""
     depth_max, V = base.shape
     k = min(budget, V)
     tree = Tree(tokens=[bonus], parents=[-1], depths=[0], scores=[0.0])
     if budget <= 0 or depth_max == 0:
         return tree
-    cache: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
-
-    def children(depth: int, tok: int) -> tuple[list[float], list[int]]:
-        """Sorted top-k (log-prob, token) of depth+1 given `tok` at `depth`."""
-        key = (depth, tok)
-        if key not in cache:
-            logp = torch.log_softmax(base[depth] + bias(torch.tensor(tok, device=base.device)), dim=-1)
-            vals, idx = torch.topk(logp, k)
-            cache[key] = (vals.tolist(), idx.tolist())
-        return cache[key]
-
-    counter = 0
-    root = children(0, bonus)
-    # entry: (-score, tie-break, depth, rank, parent index, parent score, parent's children list)
-    heap = [(-root[0][0], counter, 1, 0, 0, 0.0, root)]
-    while heap and len(tree) - 1 < budget:
-        neg, _, d, r, parent, parent_score, kids = heapq.heappop(heap)
-        node = len(tree)
-        tok = kids[1][r]
-        tree.tokens.append(tok)
-        tree.parents.append(parent)
-        tree.depths.append(d)
-        tree.scores.append(-neg)
-        if r + 1 < k:  # next sibling under the same parent
-            counter += 1
-            heapq.heappush(heap, (-(parent_score + kids[0][r + 1]), counter, d, r + 1, parent, parent_score, kids))
-        if d < depth_max and len(tree) - 1 < budget:  # first child, ranked given this node's token
-            own = children(d, tok)
-            counter += 1
-            heapq.heappush(heap, (-(-neg + own[0][0]), counter, d + 1, 0, node, -neg, own))
+    toks, scores = torch.tensor([bonus]), torch.zeros(1)  # (n,) the frontier: tokens and path scores
+    parents = torch.tensor([-1])  # (n,) the frontier's index in `found` (-1: the root)
+    found: list[tuple[torch.Tensor, ...]] = []  # per depth: (scores, tokens, parent ids, depth)
+    best = torch.empty(0)  # (≤ budget,) the best scores found so far
+    offset = 0
+    for d in range(depth_max):
+        logits = base[d].float().expand(len(toks), V) + bias(toks)  # (n, V)
+        vals, idx = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)  # (n, k) sorted
+        cand = (scores[:, None] + vals).flatten()  # (n·k,)
+        best = torch.topk(torch.cat([best, cand]), min(budget, len(best) + len(cand))).values
+        keep = cand >= best[-1] if len(best) == budget else torch.ones_like(cand, dtype=torch.bool)
+        if not bool(keep.any()):
+            break
+        rows = torch.arange(len(toks)).repeat_interleave(k)[keep]  # (m,) the parent of each kept candidate
+        toks, scores = idx.flatten()[keep], cand[keep]
+        found.append((scores, toks, parents[rows], torch.full((len(toks),), d + 1)))
+        parents = torch.arange(offset, offset + len(toks))
+        offset += len(toks)
+    all_scores, all_toks, all_parents, all_depths = (torch.cat(x).tolist() for x in zip(*found))
+    order = sorted(range(len(all_scores)), key=lambda i: (-all_scores[i], all_depths[i]))[:budget]
+    index = {i: n + 1 for n, i in enumerate(order)}  # candidate id → tree index (root is 0)
+    for i in order:
+        p = all_parents[i]
+        tree.tokens.append(all_toks[i])
+        tree.parents.append(0 if p < 0 else index[p])
+        tree.depths.append(all_depths[i])
+        tree.scores.append(all_scores[i])
     return tree
 
 

@@ -151,12 +151,16 @@ def method_label(row: dict[str, Any]) -> str:
 
 
 def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per dataset: the best tree row's tokens/s (standalone engine, any drafter branch, any tree method)
+    """Per dataset: the best tree row's tokens/s (standalone engine, any drafter branch, any tree method, each
+    at its auto budget where evaluate calibrated one)
     ÷ the reference chain's tokens/s in each engine (the registry's tree-reference type, MTP:
     {dataset: {"ddtree_tokens_per_s", "ddtree_label", <type name>: {engine: {"label", "tokens_per_s", "ratio"}}}}),
     T = 0 rows."""
     ref = reference_type()
-    best = best_ddtree([r for r in rows if _num(r.get("temperature"), 0.0) == 0.0])
+    at_zero = [r for r in rows if _num(r.get("temperature"), 0.0) == 0.0]
+    if any(r.get("auto_budget") for r in at_zero):  # calibrated budgets only: no choice on the evaluation data
+        at_zero = [r for r in at_zero if r["method"] not in tree_methods() or r.get("auto_budget")]
+    best = best_ddtree(at_zero)
     out: dict[str, dict[str, Any]] = {}
     if ref is None:
         return out

@@ -13,6 +13,7 @@ from draftforge.drafter.settings import listed_drafters
 from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
+from draftforge.report.headline import headline_lines
 from draftforge.report.parity import parity_block
 from draftforge.report.rows import (
     AUTO_GOAL,
@@ -221,6 +222,10 @@ def build_report(ctx) -> dict[str, Any]:
         f"Tree budgets: the **{AUTO_NAME}** maximises τ(b) / round cost(b) measured on calibration prompts (the next "
         f"prompts of each held-out set, disjoint from the evaluation prompts), chosen without the evaluation data; the **{BEST_NAME}** "
         "has the highest tokens/s on the evaluation prompts themselves (as published numbers do).",
+        "",
+        "## Headline: speedup vs AR per method and set (T = 0; tree methods at the auto budget, the oracle beside it)",
+        "Each cell: speedup = τ ÷ round cost, the round in AR steps of the same engine and branch.",
+        *headline_lines(rows, choices),
         "",
         f"## Tree budget per dataset, drafter and tree method: {AUTO_NAME} vs {BEST_NAME}",
         *(budget_choice_lines(choices) or ["- (no DDTree rows)"]),
