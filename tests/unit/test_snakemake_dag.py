@@ -33,7 +33,7 @@ def planned_jobs(output: str) -> dict[str, int]:
 @pytest.mark.parametrize("experiment", ["default", "smoke"])
 def test_dag_builds(tmp_path: Path, experiment: str) -> None:
     jobs = planned_jobs(dry_run(tmp_path, f"experiment={experiment}"))
-    branches = len(compose(experiment).drafters)  # default: dflash, dspark, mtp; smoke: dflash
+    branches = len(compose(experiment).drafters)  # default: dflash_aw, dspark, mtp; smoke: dflash
     assert jobs == {**{stage: branches if stage in PER_DRAFTER else 1 for stage in STAGES}, "all": 1}
 
 
