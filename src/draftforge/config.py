@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draftforge.baselines.config import BaselinesConfig
 from draftforge.curate.config import CurateConfig
-from draftforge.drafter.registry import type_of
+from draftforge.drafter.registry import ignored_keys, type_of
 from draftforge.drafter.settings import DrafterConfig, listed_drafters, needs_last_layer
 from draftforge.errors import ConfigError
 from draftforge.evaluate.config import EvaluateConfig, check_methods_known
@@ -144,13 +144,21 @@ def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
             node, into = node[part], into.setdefault(part, {})
         into[leaf] = to_plain(node[leaf])
     for key, default in ADDED_OPTIONS.items():
-        *parents, leaf = key.split(".")
-        into = view
-        for part in parents:
-            into = into.get(part) if isinstance(into, dict) else None
-        if isinstance(into, dict) and leaf in into and into[leaf] == default:
-            del into[leaf]
+        _drop(view, key, lambda value, default=default: value == default)
+    if STAGE_BY_NAME[stage].per_drafter and "drafter" in cfg:  # keys this branch's type never reads
+        for key in ignored_keys(cfg.drafter):
+            _drop(view, key)
     return view
+
+
+def _drop(view: dict[str, Any], key: str, when: Any = None) -> None:
+    """Remove dotted `key` from the nested params dict (if present and `when(value)`, when given)."""
+    *parents, leaf = key.split(".")
+    into: Any = view
+    for part in parents:
+        into = into.get(part) if isinstance(into, dict) else None
+    if isinstance(into, dict) and leaf in into and (when is None or when(into[leaf])):
+        del into[leaf]
 
 
 def config_hash(cfg: DictConfig, stage: str) -> str:
@@ -165,15 +173,19 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def stage_overrides(stage: str, overrides: Sequence[str]) -> list[str]:
-    """The overrides that can change what `stage` computes (its sections and global keys).
+def stage_overrides(stage: str, overrides: Sequence[str], ignored: Sequence[str] = ()) -> list[str]:
+    """The overrides that can change what `stage` computes (its sections and global keys), less those that set
+    only keys in `ignored` (a branch's `registry.ignored_keys`, or under one of them).
 
     Passing a stage only these keeps its command line, and so Snakemake's rerun decision, independent
-    of overrides aimed at other stages; what it computes is unchanged since it reads only its sections.
+    of overrides aimed at other stages or other branches' types; what it computes is unchanged since it
+    reads only its sections, and a branch never reads its type's ignored keys.
     """
     keys = STAGE_SECTIONS[stage] + GLOBAL_KEYS
 
     def reads(key: str) -> bool:  # the override sets a key the stage reads, or a parent of one
+        if any(key == k or key.startswith(k + ".") for k in ignored):
+            return False
         return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in keys)
 
     return [o for o in overrides if reads(override_key(o))]

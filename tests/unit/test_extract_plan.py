@@ -71,3 +71,31 @@ def test_bad_inputs_name_the_file(tmp_path):
     pq.write_table(pa.table({"id": ["a"], "n_tokens": [3]}), tmp_path / "val-00000.parquet")
     with pytest.raises(StageError, match=r"val-00000\.parquet: missing column"):
         _plan(tmp_path)
+
+
+def test_taps_key_ignores_the_last_layer_and_train_keys_on_it(tmp_path):
+    """Storing the last layer beside the taps changes the plan (new shards) but not the taps' identity, so a
+    branch that reads only the taps keeps its training resume key; one that reads the last layer does not."""
+    from draftforge.extract.stage import taps_key
+    from draftforge.io import write_json
+    from draftforge.train.stage import offline_data_key
+
+    write_curate_shards(tmp_path / "curate", lengths=LENGTHS)
+    base = {"target": "fp", "taps": [1, 3], "storage": "bfloat16"}
+    with_last = {**base, "last_hidden": True}
+    plan, plan_last = _plan(tmp_path / "curate", extra_key=base), _plan(tmp_path / "curate", extra_key=with_last)
+    assert plan.key != plan_last.key
+    assert taps_key(plan, base) == taps_key(plan_last, with_last)
+    assert taps_key(plan, base) != taps_key(_plan(tmp_path / "curate", extra_key=base, max_seq_len=32), base)
+    assert taps_key(plan, base) != taps_key(plan, {**base, "taps": [1, 2]})
+    keys = []
+    for extra, p, timing in ((base, plan, 1.0), (with_last, plan_last, 2.0)):  # timings differ between runs
+        index = tmp_path / f"index-{len(keys)}.json"
+        write_json(index, {"meta": {"taps_key": taps_key(p, extra), "last_hidden": "last_hidden" in extra},
+                           "throughput": {"tokens_per_s_total": timing}})
+        keys.append((offline_data_key(index, False), offline_data_key(index, True)))
+    assert keys[0][0] == keys[1][0]  # taps only: the same features
+    assert keys[0][1] != keys[0][0]
+    old = tmp_path / "old.json"  # an index from before the taps key: keyed by its content
+    write_json(old, {"meta": {}})
+    assert "extract" in offline_data_key(old, False)

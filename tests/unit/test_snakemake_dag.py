@@ -48,6 +48,10 @@ def test_stage_commands_carry_only_their_overrides(tmp_path: Path) -> None:
         assert by_stage[stage].count("results_root=") == 1
 
 
+BRANCHES = ("dflash", "mtp")  # the finished copy's drafter branches: a tree type and a chain-only type
+BRANCHES_OVERRIDE = f"drafters=[{','.join(BRANCHES)}]"
+
+
 @pytest.fixture(scope="module")
 def finished_copy(tmp_path_factory) -> Path:
     """A copy of the workflow whose every stage is marked finished (`--touch --forceall` records each job's
@@ -56,10 +60,12 @@ def finished_copy(tmp_path_factory) -> Path:
     for name in ("Snakefile", "conf", "workflow"):
         (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, repo / name)
     for stage, marker in STAGE_MARKERS.items():
-        path = repo / "results" / "smoke" / stage / ("dflash" if stage in PER_DRAFTER else "") / marker
-        path.parent.mkdir(parents=True)
-        path.touch()
-    run_snakemake(repo, "--touch", "--forceall", "--config", "experiment=smoke", f"results_root={repo / 'results'}")
+        for branch in BRANCHES if stage in PER_DRAFTER else ("",):
+            path = repo / "results" / "smoke" / stage / branch / marker
+            path.parent.mkdir(parents=True)
+            path.touch()
+    run_snakemake(repo, "--touch", "--forceall", "--config", "experiment=smoke", f"results_root={repo / 'results'}",
+                  f'overrides=["{BRANCHES_OVERRIDE}"]')
     return repo
 
 
@@ -70,9 +76,25 @@ def run_snakemake(repo: Path, *args: str) -> str:
     return result.stdout + result.stderr
 
 
-def rerun(repo: Path, *overrides: str) -> set[str]:
+def rerun_jobs(repo: Path, *overrides: str) -> dict[str, int]:
+    """Jobs per rule a dry-run plans after these overrides (on top of the finished copy's branches)."""
+    overrides = (BRANCHES_OVERRIDE, *overrides)
     out = run_snakemake(repo, "-n", "--config", "experiment=smoke", f"results_root={repo / 'results'}", f"overrides={list(overrides)!r}".replace("'", '"'))
-    return set() if "Nothing to be done" in out else set(planned_jobs(out)) - {"all"}
+    return {} if "Nothing to be done" in out else {k: v for k, v in planned_jobs(out).items() if k != "all"}
+
+
+def rerun(repo: Path, *overrides: str) -> set[str]:
+    return set(rerun_jobs(repo, *overrides))
+
+
+def test_reruns_touch_only_the_branches_whose_type_reads_the_key(finished_copy: Path) -> None:
+    one_branch = {"train": 1, "evaluate": 1, "baselines": 1, "report": 1}
+    assert rerun_jobs(finished_copy, "train.mtp_steps=5") == one_branch  # the mtp branch's head schedule
+    assert rerun_jobs(finished_copy, "train.num_anchors=8") == one_branch  # the block drafter's loop only
+    assert rerun_jobs(finished_copy, "drafter.markov_rank=64") == {}  # neither a dflash nor an mtp branch reads it
+    assert rerun_jobs(finished_copy, "evaluate.mtp_drafts=2") == {"evaluate": 1, "report": 1}
+    assert rerun_jobs(finished_copy, "evaluate.budgets=[2,4]") == {"evaluate": 1, "report": 1}  # mtp has no tree
+    assert rerun_jobs(finished_copy, "train.seed=3") == {"train": 2, "evaluate": 2, "baselines": 2, "report": 1}
 
 
 def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:

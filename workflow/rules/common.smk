@@ -1,6 +1,7 @@
 # Shared by every rule: the composed config, paths, and the command that launches a stage.
 import shlex
 from draftforge.config import branch_overrides, stage_overrides
+from draftforge.drafter.registry import ignored_keys
 from draftforge.paths import stage_dir, stage_marker
 from draftforge.stages import PER_DRAFTER, STAGE_TABLE, stage_inputs
 
@@ -67,7 +68,8 @@ def stage_cmd(stage, drafter=None):
     """Shell command running one stage (one branch of a per-drafter stage); torchrun when it spans several
     processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track in params.
     """
-    args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES),
+    ignored = ignored_keys(cfg_of(drafter).drafter) if drafter else ()  # keys the branch's type never reads
+    args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES, ignored),
             *branch_overrides(drafter)]
     quoted = " ".join(shlex.quote(a) for a in args)
     if nprocs(stage) > 1 or gpus(stage) > 0:

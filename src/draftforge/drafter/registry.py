@@ -68,6 +68,11 @@ class DrafterType:
     source_key: Optional[str] = None
     # The report compares the best tree method against this type's chain (the "DDTree vs MTP" table).
     tree_reference: bool = False
+    # Dotted config keys its branches never read: left out of their stage params, so changing one reruns only
+    # the branches that read it. Listing none is safe (every change reruns the branch); a key listed here but
+    # read after all would be a stale result, so list only what the type's code provably ignores. The tree
+    # keys (TREE_KEYS) are left out for a type without tree methods.
+    ignores: tuple[str, ...] = ()
     module: str = ""  # the module that registered it (set by register_drafter_type)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,16 @@ def type_of(drafter: Any) -> DrafterType:
     if module:
         load_module(str(module))
     return drafter_type(str(drafter.type))
+
+
+# Read only by the tree methods (their budget sweep and the auto budget's calibration prompts).
+TREE_KEYS: tuple[str, ...] = ("evaluate.budgets", "evaluate.calibration_prompts")
+
+
+def ignored_keys(drafter: Any) -> tuple[str, ...]:
+    """The dotted config keys a branch of this drafter section's type never reads (config.stage_params)."""
+    kind = type_of(drafter)
+    return kind.ignores + (() if kind.tree_methods else TREE_KEYS)
 
 
 def _unique(items: Any) -> tuple[str, ...]:

@@ -60,6 +60,7 @@ class ExtractPlan:
     shards: list[ShardSpec]
     key: str  # hash of inputs + plan settings: resume state from another plan is never reused
     n_truncated: int = 0
+    inputs_key: str = ""  # hash of the curate inputs and plan settings alone (no extra_key)
     meta: dict = field(default_factory=dict)
 
     def owned(self, rank: int, world_size: int) -> list[ShardSpec]:
@@ -121,12 +122,16 @@ def plan_extraction(
     if not found:
         raise StageError(f"{curate_dir}: no curate shards ({', '.join(f'{s}-*.parquet' for s in splits)})")
     digest = hashlib.sha256(json.dumps(extra_key or {}, sort_keys=True).encode())
-    digest.update(json.dumps([max_seq_len, tokens_per_shard, seqs_per_shard, sort_window]).encode())
+    inputs = hashlib.sha256()
+    settings = json.dumps([max_seq_len, tokens_per_shard, seqs_per_shard, sort_window]).encode()
+    digest.update(settings)
+    inputs.update(settings)
     shards: list[ShardSpec] = []
     n_truncated = 0
     for split, si in found.items():
-        digest.update(json.dumps([split, [(f.name, f.stat().st_size) for f in si.files]]).encode())
-        digest.update(si.lengths.tobytes())
+        for h in (digest, inputs):
+            h.update(json.dumps([split, [(f.name, f.stat().st_size) for f in si.files]]).encode())
+            h.update(si.lengths.tobytes())
         stored = np.minimum(si.lengths, max_seq_len)
         n_truncated += int((si.lengths > max_seq_len).sum())
         for w0 in range(0, stored.shape[0], sort_window):
@@ -134,7 +139,7 @@ def plan_extraction(
             order = rows[np.lexsort((rows, -stored[rows]))]  # longest first, ties by row (stable)
             for group in _cut(order, stored, tokens_per_shard, seqs_per_shard):
                 shards.append(ShardSpec(len(shards), split, group, stored[group]))
-    return ExtractPlan(found, shards, digest.hexdigest()[:16], n_truncated)
+    return ExtractPlan(found, shards, digest.hexdigest()[:16], n_truncated, inputs_key=inputs.hexdigest()[:16])
 
 
 @dataclass

@@ -19,10 +19,10 @@ import torch.distributed as torch_dist
 
 from draftforge.errors import StageError
 from draftforge.extract.index import finalize, verify_owned
-from draftforge.extract.plan import plan_extraction
+from draftforge.extract.plan import ExtractPlan, plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
 from draftforge.extract.runner import TargetView, read_done, run_rank
-from draftforge.io import read_json, write_json
+from draftforge.io import read_json, sha256_json, write_json
 from draftforge.runtime import dtype_named, init_distributed, pick_device
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,20 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
             return None
         meta = {"target_name": info["name"], "compute_dtype": str(dtype).removeprefix("torch."),
                 "attn_implementation": attn, "device": device.type, "max_seq_len": cfg.max_seq_len,
-                "n_truncated": plan.n_truncated, "last_hidden": store_last}  # fmt: skip
+                "n_truncated": plan.n_truncated, "last_hidden": store_last,
+                "taps_key": taps_key(plan, extra_key)}  # fmt: skip
         return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
                         fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta)  # fmt: skip
     finally:
         dist.close()
+
+
+def taps_key(plan: ExtractPlan, extra_key: dict[str, Any]) -> str:
+    """What decides the tapped features' values: the plan's inputs and settings and the extraction keys,
+    without whether the last layer is stored too (the taps are the same either way). A branch that reads
+    only the taps keys its training resume on this, so listing a drafter that needs the last layer does not
+    restart the other branches' training (train/stage.py)."""
+    return sha256_json({"inputs": plan.inputs_key, **{k: v for k, v in extra_key.items() if k != "last_hidden"}})[:16]
 
 
 def main(ctx) -> None:

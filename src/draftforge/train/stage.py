@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from draftforge.drafter.registry import build_model_config, resolve, type_of
 from draftforge.drafter.settings import effective_loss_weights
 from draftforge.errors import StageError
 from draftforge.extract.preflight import FreeBytes, disk_free
-from draftforge.io import sha256_file, sha256_json, write_json
+from draftforge.io import read_json, sha256_file, sha256_json, write_json
 from draftforge.stages import STAGE_MARKERS
 from draftforge.target.load import read_target_info
 from draftforge.train.branch import Branch, BranchBuilder, check_disk, open_device
@@ -110,6 +111,19 @@ _NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints
                       "mtp_steps", "mtp_batch_seqs", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
 
+def offline_data_key(index_path: Path, reads_last_layer: bool) -> dict[str, Any]:
+    """The part of the resume key naming the features a branch trains on: the extract index's taps key
+    (the values' identity: inputs, plan and extraction settings, not timings) and whether the branch reads
+    the last layer stored beside the taps. A branch reading only the taps keeps its key when another
+    branch makes extract store the last layer too. An index without a taps key (older extract output) is
+    keyed by its whole content."""
+    index = read_json(index_path, what="extract index")
+    key = (index.get("meta") or {}).get("taps_key")
+    if key is None:
+        return {"extract": sha256_file(index_path)}
+    return {"extract_taps": key, **({"last_hidden": True} if reads_last_layer else {})}
+
+
 def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBytes) -> Branch:
     """A DFlash / DSpark drafter's branch: features (offline or online), the objective's input check, the resume
     key; rank 0 exports the selected weights to out_dir/drafter."""
@@ -130,8 +144,10 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
         data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
     else:
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        data_key = {"extract": sha256_file(ctx.input_marker("extract"))}
+        data_key = None
     obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
+    if data_key is None:
+        data_key = offline_data_key(ctx.input_marker("extract"), obj is not None and obj.needs_target)
     if obj is not None and obj.needs_target and len(train_src[0]) < 4:
         where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
         raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from draftforge.drafter.registry import BLOCK_DRAFTER, DrafterType, exported_type, register_drafter_type
+from draftforge.drafter.types.keys import HEAD_KEYS, MTP_KEYS
 
 NAME = "dflash"
 ARCHITECTURE = "DFlashDraftModel"
@@ -21,7 +22,7 @@ def dflash() -> DrafterType:
         default_loss_weights={"ce": 1.0}, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.config:DFlashConfig"},
         models={ARCHITECTURE: "draftforge.drafter.model:DFlashDrafter"},
-        model_config="draftforge.drafter.config:DFlashConfig",
+        model_config="draftforge.drafter.config:DFlashConfig", ignores=MTP_KEYS + HEAD_KEYS,
     )  # fmt: skip
 
 

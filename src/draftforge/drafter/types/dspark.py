@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from draftforge.drafter.registry import BLOCK_DRAFTER, DrafterType, register_drafter_type
+from draftforge.drafter.types.keys import MTP_KEYS
 
 NAME = "dspark"
 ARCHITECTURE = "DSparkDraftModel"  # with model_type qwen3, vLLM serves it as Qwen3DSparkModel
@@ -36,7 +37,7 @@ def dspark() -> DrafterType:
         default_loss_weights={"tv": 1.8, "ce": 0.1}, reads_last_layer=reads_last_layer, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.dspark:DSparkConfig"},
         models={ARCHITECTURE: "draftforge.drafter.dspark:DSparkDrafter"},
-        model_config="draftforge.drafter.dspark:DSparkConfig",
+        model_config="draftforge.drafter.dspark:DSparkConfig", ignores=MTP_KEYS,
     )  # fmt: skip
 
 

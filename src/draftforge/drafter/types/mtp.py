@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from draftforge.drafter.registry import MTP_HEAD, DrafterType, register_drafter_type
+from draftforge.drafter.types.keys import BLOCK_TRAIN_KEYS, HEAD_KEYS
 
 NAME = "mtp"
 SOURCE_KEY = "mtp_source"  # "native" (the target's own MTP layer) or "trained" (train/<branch>/mtp)
@@ -26,6 +27,7 @@ def mtp() -> DrafterType:
         name=NAME, title="MTP head", chain_method="mtp", vllm_methods=("mtp",),
         vllm_planners={"mtp": f"{__name__}:plan_vllm"}, default_loss_weights={"ce": 1.0},
         reads_last_layer=reads_last_layer, artifact=MTP_HEAD, train_branch="draftforge.train.mtp:mtp_branch", source_key=SOURCE_KEY, tree_reference=True,
+        ignores=BLOCK_TRAIN_KEYS + HEAD_KEYS,
     )  # fmt: skip
 
 
