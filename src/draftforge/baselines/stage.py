@@ -20,6 +20,7 @@ from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
 from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
+from draftforge.chat import ChatMode
 from draftforge.config import to_plain
 from draftforge.drafter.registry import BLOCK_DRAFTER, MTP_HEAD, artifact_of_vllm_method
 from draftforge.drafter.settings import branch_vllm_methods
@@ -156,6 +157,7 @@ def main(ctx: Any) -> None:
     b = ctx.cfg.baselines
     from draftforge.target.load import load_tokenizer, read_target_info
 
+    mode = ChatMode.of(ctx.cfg)  # the target's chat mode: the prompt ids every engine gets are rendered in it
     info = read_target_info(ctx.input_marker("target"))
     names = enabled_methods(b, ctx.cfg.drafter.type)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
@@ -167,7 +169,7 @@ def main(ctx: Any) -> None:
              for name in names}
 
     tokenizer = load_tokenizer(info)
-    rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
+    rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts), mode)
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
     settings = resolve_settings(b, info, device, longest, max_new)

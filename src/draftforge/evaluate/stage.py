@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from draftforge.chat import ChatMode
 from draftforge.drafter.registry import (
     BLOCK_DRAFTER,
     MTP_HEAD,
@@ -57,7 +58,7 @@ def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> 
     return dtype_named("evaluate.dtype", name)
 
 
-def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
+def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype, mode: ChatMode) -> EngineSet:
     from draftforge.engine import wrap_target
     from draftforge.target.load import load_target_model, load_tokenizer
 
@@ -79,7 +80,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
     head = load_mtp(ctx, cfg, info, device, dtype) if uses(plan, MTP_HEAD) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
-                     engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head)
+                     engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head, chat_mode=mode)
 
 
 def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
@@ -166,6 +167,7 @@ def main(ctx) -> None:
     from draftforge.target.load import read_target_info
 
     cfg = evaluate_config(ctx)
+    mode = ChatMode.of(ctx.cfg)  # the target's chat mode: every prompt is rendered in it
     info = read_target_info(ctx.input_marker("target"))
     positions = int(info.get("max_position_embeddings") or 0)
     if positions and cfg.max_new_tokens > positions:  # before any model loads
@@ -185,7 +187,7 @@ def main(ctx) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
     sets, calib = eval_and_calibration_sets(cfg)
-    es = load_engines(ctx, cfg, info, plan, device, dtype)
+    es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
 
     all_rows: list[dict[str, Any]] = []
     files = {}
