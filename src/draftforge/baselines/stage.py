@@ -20,7 +20,7 @@ from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
 from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
-from draftforge.chat import ChatMode
+from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.config import to_plain
 from draftforge.drafter.registry import BLOCK_DRAFTER, MTP_HEAD, artifact_of_vllm_method
 from draftforge.drafter.settings import branch_vllm_methods
@@ -215,6 +215,7 @@ def main(ctx: Any) -> None:
         "engine": ENGINE,
         "target": info["name"],
         "target_fingerprint": info.get("fingerprint"),
+        RECORD_KEY: mode.kwargs,
         "device": device,
         "settings": settings.__dict__,
         "datasets": datasets,

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from draftforge.chat import ChatMode, prompt_ids
+from draftforge.chat import RECORD_KEY, ChatMode, prompt_ids
 from draftforge.curate.config import CurateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
@@ -294,6 +294,7 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
         "format": "draftforge.curate/1",
         "target_fingerprint": info["fingerprint"],
         "target_name": info["name"],
+        RECORD_KEY: mode.kwargs,  # the chat mode the data was rendered in: extract and train carry it forward
         "shards": out["shards"],
         "rows": out["rows"],
         "counts": tot,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from draftforge.chat import ChatMode
+from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.drafter.registry import (
     BLOCK_DRAFTER,
     MTP_HEAD,
@@ -217,7 +217,8 @@ def main(ctx) -> None:
             row["drafter"] = ctx.drafter
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
-        payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), "device": str(device),
+        payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), RECORD_KEY: mode.kwargs,
+                   "device": str(device),
                    "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE, "rows": rows,
                    "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))}
         write_json(path, payload)
@@ -235,6 +236,7 @@ def main(ctx) -> None:
     if ctx.is_rank0:
         write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
             "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
+            RECORD_KEY: mode.kwargs,
             "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
             "note": BEST_NOTE, "rows": all_rows,
         })  # fmt: skip
