@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 Messages = list[dict[str, str]]
@@ -61,6 +62,13 @@ class ChatMode:
     def kwargs(self) -> dict[str, Any]:
         return dict(self.items)
 
+    def overrides_from(self, current: ChatMode) -> list[str]:
+        """The Hydra overrides that turn a config serving `current` into one serving this mode (a dict override
+        would merge into the target file's options, so each option is set or removed by its own key)."""
+        theirs = current.kwargs
+        out = [f"++{CONFIG_KEY}.{k}={json.dumps(v)}" for k, v in self.items if k not in theirs or theirs[k] != v]
+        return out + [f"~{CONFIG_KEY}.{k}" for k in sorted(theirs) if k not in self.kwargs]
+
     def __str__(self) -> str:
         """`{enable_thinking: false}` (a Hydra override value); `{}` for the template's defaults."""
         return "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in self.items) + "}"
@@ -83,3 +91,22 @@ def prompt_ids(tokenizer: Any, messages: Messages, mode: ChatMode) -> list[int]:
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def check_served(served: ChatMode, train_marker: Path, allow_key: str, allowed: bool) -> str | None:
+    """Compare the mode a drafter was trained in (its train marker's record) with the mode a stage serves it in.
+
+    Same mode → None. Different → a StageError naming both modes and the keys to change, unless `allowed`
+    (the stage's `allow_chat_mode_mismatch`): then the label the stage puts on its rows.
+    """
+    from draftforge.errors import StageError
+    from draftforge.io import read_json
+
+    trained = ChatMode.record_of(read_json(train_marker, what="train marker"))
+    if trained == served:
+        return None
+    if not allowed:
+        raise StageError(f"{train_marker}: drafter trained with {CONFIG_KEY}={trained} but served with {served}; serve "
+                         f"it as trained ({' '.join(trained.overrides_from(served))}) or retrain it in {served}, or set "
+                         f"{allow_key}=true to measure it anyway (rows labelled chat_mode_mismatch)")
+    return f"trained {trained}, served {served}"
