@@ -48,13 +48,15 @@ def cmd_prompts(args) -> None:
     from draftforge.evaluate.runner import split_turns
 
     tok = AutoTokenizer.from_pretrained(args.hf, local_files_only=True)
+    mode = chat.ChatMode.from_kwargs(json.loads(args.chat_template_kwargs))
     pool = load_prompt_set("mt_bench", None)[: args.n]  # the evaluate stage's pool order (frozen_prompts dump too)
     rows = []
     for i, msgs in enumerate(pool):
         first = split_turns(msgs)[0]  # the first turn, as run_turns asks it
-        rows.append({"index": i, "text": first[-1]["content"], "ids": chat.prompt_ids(tok, first)})
+        rows.append({"index": i, "text": first[-1]["content"], "ids": chat.prompt_ids(tok, first, mode)})
     Path(args.out).write_text(json.dumps({"dataset": "mt_bench", "turn": 0, "source": "evaluate.prompts.load_prompt_set"
                                           " + runner.split_turns + chat.prompt_ids", "tokenizer": str(args.hf),
+                                          "chat_template_kwargs": mode.kwargs,
                                           "prompts": rows}, indent=1))
     print(f"wrote {args.out}: {len(rows)} prompts, lengths {[len(r['ids']) for r in rows]}")
 
@@ -308,6 +310,7 @@ def main() -> None:
     p.add_argument("--hf", required=True)
     p.add_argument("--n", type=int, default=12)
     p.add_argument("--out", required=True)
+    p.add_argument("--chat-template-kwargs", default="{}", help='the target\'s chat mode as JSON, e.g. {"enable_thinking": false}')
     r = sub.add_parser("run")
     r.add_argument("--gguf", help="GGUF file: converted with draftforge.target.gguf.convert_gguf")
     r.add_argument("--hf", help="an HF folder instead of --gguf")

@@ -47,10 +47,11 @@ def main() -> None:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        from draftforge.curate.tokenize import prompt_ids
+        from draftforge.chat import ChatMode, prompt_ids
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
-        count_tokens = lambda msgs: len(prompt_ids(tok, msgs))  # noqa: E731
+        mode = ChatMode.of(cfg)  # the target's chat mode, as the curate stage counts prompt tokens
+        count_tokens = lambda msgs: len(prompt_ids(tok, msgs, mode))  # noqa: E731
     kept = Counter()
     sel = select_rows(ccfg, lambda s: iter_source(s, min_chars=ccfg.filters.min_chars, on_malformed=ccfg.filters.on_malformed,
                                                   eval_cfg=cfg.get("evaluate")),

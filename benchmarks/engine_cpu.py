@@ -20,6 +20,7 @@ from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when ru
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from draftforge.chat import ChatMode  # noqa: E402
 from draftforge.config import compose  # noqa: E402
 from draftforge.drafter import load_drafter  # noqa: E402
 from draftforge.engine import wrap_target  # noqa: E402
@@ -48,7 +49,8 @@ def main() -> None:
     info = read_target_info(stage_marker(root, exp, "target"))
     drafter = load_drafter(stage_dir(root, exp, "train", "dflash") / "drafter", dtype=torch.float32, attn_impl="sdpa")
     tm = wrap_target(load_target_model(info), drafter.cfg.target_layer_ids)
-    es = EngineSet(tm, drafter, load_tokenizer(info), [int(e) for e in info.get("eos_token_ids") or []], args.max_new_tokens)
+    es = EngineSet(tm, drafter, load_tokenizer(info), [int(e) for e in info.get("eos_token_ids") or []], args.max_new_tokens,
+                   chat_mode=ChatMode.of(cfg))
     plan = method_plan(["ar", "dflash", "ddtree"], [int(b) for b in args.budgets.split(",")])
     ev = cfg.evaluate
     ev.datasets = [args.dataset]

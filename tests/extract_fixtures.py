@@ -14,9 +14,9 @@ EXPERIMENT = "smoke"
 
 
 def write_curate_shards(curate_dir: Path, *, lengths: dict[str, list[list[int]]], vocab: int = 512, seed: int = 0,
-                        fingerprint: str | None = None) -> dict[str, list[np.ndarray]]:  # fmt: skip
-    """lengths = {split: [[len, len, ...] per file]} → curate-format parquet files + manifest.json.
-    Returns the input_ids per split in row order (concatenated over files)."""
+                        fingerprint: str | None = None, chat_template_kwargs: dict | None = None) -> dict[str, list[np.ndarray]]:  # fmt: skip
+    """lengths = {split: [[len, len, ...] per file]} → curate-format parquet files + manifest.json (with the chat mode
+    curate recorded when `chat_template_kwargs` is given). Returns the input_ids per split in row order."""
     rng = np.random.default_rng(seed)
     curate_dir.mkdir(parents=True, exist_ok=True)
     out: dict[str, list[np.ndarray]] = {}
@@ -37,6 +37,8 @@ def write_curate_shards(curate_dir: Path, *, lengths: dict[str, list[list[int]]]
     manifest = {"splits": {s: sum(len(x) for x in fl) for s, fl in lengths.items()}}
     if fingerprint is not None:
         manifest["target_fingerprint"] = fingerprint
+    if chat_template_kwargs is not None:
+        manifest["chat_template_kwargs"] = chat_template_kwargs
     write_json(curate_dir / "manifest.json", manifest)
     return out
 

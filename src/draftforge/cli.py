@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
 from draftforge.paths import stage_dir, stage_marker, work_dir
@@ -147,6 +148,9 @@ def write_stage_provenance(ctx: StageContext, extra: dict[str, Any] | None = Non
             path = stage_marker(ctx.results_root, ctx.experiment, up, d)
             if path.is_file():
                 inputs[f"{up}/{d}" if d else up] = path
+    # The chat mode this stage renders conversations in (its target.chat_template_kwargs; {} = template defaults),
+    # recorded by every stage even where the params leave it out at its default.
+    extra = {RECORD_KEY: ChatMode.of(ctx.cfg).kwargs, **(extra or {})}
     write_provenance(ctx.out_dir, stage=ctx.stage, config=ctx.params, config_hash=ctx.config_hash, inputs=inputs, extra=extra)
 
 

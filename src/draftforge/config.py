@@ -129,7 +129,9 @@ DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
 # Options added after results were produced with the code before them: left out of a stage's params while
 # at their default (= the behaviour before the option existed), so upgrading never reruns finished stages
 # whose computation the option does not change. Setting one to another value changes the params as usual.
-ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter.module": ""}
+ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter.module": "",
+                                 "target.chat_template_kwargs": {}, "evaluate.allow_chat_mode_mismatch": False,
+                                 "baselines.allow_chat_mode_mismatch": False}
 
 
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:

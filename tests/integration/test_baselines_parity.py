@@ -39,12 +39,13 @@ def _first_prompt_ids(info: dict) -> list[int]:
     from omegaconf import OmegaConf
 
     from draftforge.baselines.prompts import load_sets, render_sets
+    from draftforge.chat import ChatMode
     from draftforge.config import compose
     from draftforge.target.load import load_tokenizer
 
     cfg = compose(EXP)
     sets = load_sets(OmegaConf.create({"evaluate": OmegaConf.to_container(cfg.evaluate)}), ["humaneval"], 1)
-    return render_sets(load_tokenizer(info), sets)["humaneval"][0]["token_ids"]
+    return render_sets(load_tokenizer(info), sets, ChatMode())["humaneval"][0]["token_ids"]
 
 
 def _overfit(info: dict, prompt: list[int], work: Path):

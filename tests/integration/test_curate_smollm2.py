@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from draftforge.chat import ChatMode
 from draftforge.curate.config import SourceConfig
 from draftforge.curate.schema import Row
 from draftforge.curate.sources import iter_source
@@ -42,7 +43,7 @@ def test_smollm2_mask_is_exactly_assistant_content_plus_im_end(smollm2_tokenizer
         msgs = row.messages
         if msgs[-1]["role"] != "assistant":  # stand-in for a regenerated answer
             msgs = msgs + [{"role": "assistant", "content": f"Answer for {row.id}:\n  - step one\n  - 42 ✓"}]
-        out = tokenize_conversation(tok, msgs, eot, turns, specials=specials)
+        out = tokenize_conversation(tok, msgs, eot, turns, specials=specials, mode=ChatMode())
         assert out.input_ids == list(tok.apply_chat_template(msgs, tokenize=True)["input_ids"])
         trained = [m["content"] for m in msgs if m["role"] == "assistant"]
         trained = trained[-1:] if turns == "last" else trained
@@ -71,7 +72,7 @@ def test_vllm_backend_generates_and_marks_finish(smollm2_target_info, smollm2_to
     cfg = RegenerateConfig(max_new_tokens=24, vllm_kv_cache_bytes=128 << 20, vllm_max_model_len=512, vllm_max_num_seqs=4)
     backend = VLLMBackend(smollm2_target_info["hf_path"], tok, cfg, end_of_turn_ids(tok, [2]))
     try:
-        prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in ("Say hi.", "What is 2+3? Answer with a number.")]
+        prompts = [prompt_ids(tok, [{"role": "user", "content": q}], ChatMode()) for q in ("Say hi.", "What is 2+3? Answer with a number.")]
         gens = backend.generate(prompts, [0, 1])
     finally:
         backend.close()

@@ -27,7 +27,7 @@ def smollm():
 
 
 def test_smollm_engine_lossless(smollm):
-    from draftforge.chat import prompt_ids
+    from draftforge.chat import ChatMode, prompt_ids
     from draftforge.drafter.config import DFlashConfig
     from draftforge.drafter.model import DFlashDrafter
     from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, wrap_target
@@ -40,7 +40,7 @@ def test_smollm_engine_lossless(smollm):
         torch.manual_seed(0)
         drafter = DFlashDrafter(dcfg).eval()
         tm = wrap_target(model, dcfg.target_layer_ids)
-        ids = prompt_ids(tok, [{"role": "user", "content": "Write a haiku about the sea."}])
+        ids = prompt_ids(tok, [{"role": "user", "content": "Write a haiku about the sea."}], ChatMode())
         ar = generate_ar(tm, ids, 12, eos_ids=info["eos_token_ids"])
         ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=info["eos_token_ids"])
         assert ar.tokens == ref[0, len(ids):].tolist()

@@ -190,16 +190,17 @@ def test_engine_settings_cpu_defaults_and_worker_spec():
 
 def test_prompts_rendered_with_chat_template(tiny_target_info):
     from draftforge.baselines.prompts import first_turn_only, render_sets
+    from draftforge.chat import ChatMode
     from draftforge.target.load import load_tokenizer
 
     tok = load_tokenizer(tiny_target_info)
     sets = {"s": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]]}
-    out = render_sets(tok, sets)
+    out = render_sets(tok, sets, ChatMode())
     ids = out["s"][0]["token_ids"]
     assert out["s"][0]["id"] == "s/0" and tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert first_turn_only(sets["s"][1]) == [{"role": "user", "content": "a"}]
     with pytest.raises(StageError, match="s/0"):
-        render_sets(tok, {"s": [[{"role": "assistant", "content": "x"}]]})
+        render_sets(tok, {"s": [[{"role": "assistant", "content": "x"}]]}, ChatMode())
 
 
 def test_mtp_spec_native_or_trained(tmp_path):

@@ -128,15 +128,19 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
     """A new option at its default is the old behaviour: it must not change params (Snakemake would rerun
     every finished stage on upgrade); set to anything else it does."""
     from draftforge.config import ADDED_OPTIONS, compose, stage_params
+    from draftforge.stages import STAGE_SECTIONS
 
-    other = {"drafter.module": "draftforge.drafter.types.dflash"}  # a string option: an importable module
+    other = {"drafter.module": ("drafter.module=draftforge.drafter.types.dflash", "draftforge.drafter.types.dflash"),
+             "target.chat_template_kwargs": ("++target.chat_template_kwargs.enable_thinking=false",
+                                             {"enable_thinking": False})}  # (override, value)
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")
-        plain = stage_params(compose("smoke", ["target=tiny-random"]), "train")
+        stage = next(s for s, sections in STAGE_SECTIONS.items() if section in sections)  # a stage tracking it
+        plain = stage_params(compose("smoke", ["target=tiny-random"]), stage)
         assert leaf not in plain[section], key
-        value = other.get(key, True)
-        changed = stage_params(compose("smoke", ["target=tiny-random", f"{key}={str(value).lower() if value is True else value}"]), "train")
-        assert changed[section][leaf] == value and changed != plain
+        override, value = other.get(key, (f"{key}=true", True))
+        changed = stage_params(compose("smoke", ["target=tiny-random", override]), stage)
+        assert changed[section][leaf] == value and changed != plain, key
 
 
 def test_default_taps_match_published_drafters() -> None:  # reference rule: tests/unit/test_train_recipe.py

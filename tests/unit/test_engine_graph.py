@@ -168,13 +168,14 @@ def test_evaluate_engine_key_builds_a_static_engine_with_the_plan_buckets():
 def test_a_prompt_over_the_engine_capacity_is_one_stage_error_naming_the_key():
     """evaluate's generations (runner.run_one) turn the captured engine's CapacityError into one StageError line
     naming evaluate.engine_capacity, the prompt length and the capacity that fits."""
+    from draftforge.chat import ChatMode
     from draftforge.errors import StageError
     from draftforge.evaluate.runner import EngineSet, run_one
 
     tm = tiny_target(seed=6)
     d = tiny_drafter(tm, seed=6)
     eng = CapturedEngine(tm, 100, verify_buckets([d.cfg.block_size]), drafter=d)  # 128 rows after alignment
-    es = EngineSet(tm=tm, drafter=d, tokenizer=None, eos_ids=[], max_new_tokens=8, engine=eng)
+    es = EngineSet(tm=tm, drafter=d, tokenizer=None, eos_ids=[], max_new_tokens=8, engine=eng, chat_mode=ChatMode())
     with pytest.raises(StageError, match=r"evaluate.engine_capacity: 128 rows do not fit a prompt of 129 tokens .* "
                                          r"set evaluate.engine_capacity >= 138") as err:
         run_one(es, ("ar", None), prompt(tm.vocab_size, 129), 0.0, seed=0)

@@ -46,6 +46,13 @@ def test_index_records_contract(full_run, tiny_target_info):
     assert index["n_tokens"] == sum(sum(f) for fl in LENGTHS.values() for f in fl)
     assert {s["split"] for s in index["shards"]} == {"train", "val"}
     assert index["throughput"]["tokens_per_s_total"] > 0
+    assert index["chat_template_kwargs"] == {}  # a manifest without a chat mode: the template's defaults
+
+
+def test_index_carries_the_chat_mode_curate_rendered_in(tmp_path, tiny_target_info):
+    make_experiment(tmp_path, tiny_target_info, {"train": [[12, 9]], "val": [[7]]},
+                    chat_template_kwargs={"enable_thinking": False})
+    assert _run(tmp_path)["chat_template_kwargs"] == {"enable_thinking": False}  # train reads it from here (offline)
 
 
 def test_stored_vectors_equal_single_sequence_forward(full_run, tiny_target_info):

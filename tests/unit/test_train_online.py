@@ -70,7 +70,7 @@ def test_stage_trains_online_without_a_feature_store(tiny_target_info, tmp_path)
     from draftforge.cli import make_context
     from draftforge.train.stage import main
 
-    make_experiment(tmp_path, tiny_target_info, LENGTHS, seed=4)
+    make_experiment(tmp_path, tiny_target_info, LENGTHS, seed=4, chat_template_kwargs={"enable_thinking": False})
     from extract_fixtures import overrides
 
     ctx = make_context("train", overrides(tmp_path, "train.features=online", "train.max_steps=3", "train.num_anchors=8",
@@ -81,3 +81,6 @@ def test_stage_trains_online_without_a_feature_store(tiny_target_info, tmp_path)
     metrics = json.loads((ctx.out_dir / "metrics.json").read_text())
     assert metrics["features"] == "online" and metrics["steps"] == 3 and metrics["loss_gamma"] == 4.0  # B = 8
     assert not (tmp_path / EXPERIMENT / "extract").exists()
+    # the chat mode of the data it trained on (curate's record), for evaluate / baselines to check
+    exported = json.loads((ctx.out_dir / "drafter" / "config.json").read_text())["draftforge"]
+    assert metrics["chat_template_kwargs"] == exported["chat_template_kwargs"] == {"enable_thinking": False}

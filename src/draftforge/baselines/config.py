@@ -77,6 +77,9 @@ class BaselinesConfig:
     # Optional concurrency sweep: per method one more engine (max_num_seqs = max value) that runs c
     # simultaneous greedy requests for each c; aggregate tokens/s and τ. Empty = off (batch size 1 only).
     concurrency: List[int] = field(default_factory=list)
+    # Serve a drafter trained in another chat mode (target.chat_template_kwargs) anyway: rows carry
+    # `chat_mode_mismatch`; false refuses it in one line (draftforge.chat.check_served).
+    allow_chat_mode_mismatch: bool = False
 
     def __post_init__(self) -> None:
         known = known_methods()

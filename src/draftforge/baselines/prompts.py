@@ -1,7 +1,9 @@
 """The evaluate stage's prompt sets, rendered once with the target's chat template into token ids.
 
-Every method's engine receives the same `prompt_token_ids` (vLLM never re-renders), so methods and the
-standalone engine are compared on identical inputs. Prompt ids are `<dataset>/<index>`.
+Every method's engine receives the same `prompt_token_ids` (vLLM never re-renders: no `LLM.chat`, no
+`chat_template_kwargs` reach it), so the chat mode is the one `chat.prompt_ids` applied here, the target's
+(`ChatMode.of(cfg)`), as in evaluate; methods and the standalone engine are compared on identical inputs.
+Prompt ids are `<dataset>/<index>`.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from draftforge.chat import prompt_ids
+from draftforge.chat import ChatMode, prompt_ids
 from draftforge.errors import StageError
 
 Messages = list[dict[str, str]]
@@ -27,20 +29,20 @@ def first_turn_only(messages: Messages) -> Messages:
     return out
 
 
-def render(tokenizer: Any, messages: Messages, where: str) -> list[int]:
-    """Chat template with the generation prompt → token ids (transformers 5: BatchEncoding)."""
+def render(tokenizer: Any, messages: Messages, where: str, mode: ChatMode) -> list[int]:
+    """Chat template in the target's chat mode, with the generation prompt → token ids."""
     if not messages or messages[-1].get("role") != "user":
         raise StageError(f"{where}: a prompt must be a non-empty conversation ending on a user turn")
-    return prompt_ids(tokenizer, messages)
+    return prompt_ids(tokenizer, messages, mode)
 
 
-def render_sets(tokenizer: Any, sets: Mapping[str, Sequence[Messages]]) -> dict[str, list[dict[str, Any]]]:
+def render_sets(tokenizer: Any, sets: Mapping[str, Sequence[Messages]], mode: ChatMode) -> dict[str, list[dict[str, Any]]]:
     rendered: dict[str, list[dict[str, Any]]] = {}
     for name, prompts in sets.items():
         if not prompts:
             raise StageError(f"baselines.datasets: prompt set {name!r} is empty")
         rendered[name] = [
-            {"id": f"{name}/{i}", "token_ids": render(tokenizer, first_turn_only(list(msgs)), f"{name}/{i}")}
+            {"id": f"{name}/{i}", "token_ids": render(tokenizer, first_turn_only(list(msgs)), f"{name}/{i}", mode)}
             for i, msgs in enumerate(prompts)
         ]
     return rendered

@@ -20,6 +20,7 @@ from draftforge.baselines.harness import run_worker, worker_env
 from draftforge.baselines.prompts import load_sets, render_sets
 from draftforge.baselines.rows import ENGINE, add_comparisons, concurrency_rows, method_rows, segment_summary
 from draftforge.baselines.spec import MethodPlan, plan_method, resolve_settings, worker_spec
+from draftforge.chat import RECORD_KEY, ChatMode, check_served
 from draftforge.config import to_plain
 from draftforge.drafter.registry import BLOCK_DRAFTER, MTP_HEAD, artifact_of_vllm_method
 from draftforge.drafter.settings import branch_vllm_methods
@@ -139,6 +140,8 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
                     "temperature": row["temperature"], "status": row["status"]}  # fmt: skip
             if row.get("mtp_source"):
                 tags["mtp_source"] = row["mtp_source"]
+            if row.get("chat_mode_mismatch"):
+                tags["chat_mode_mismatch"] = row["chat_mode_mismatch"]
             if row.get("reason"):
                 tags["reason"] = str(row["reason"])[:4000]
             params = {"speculative_config": record["speculative_config"], "engine": settings.__dict__ if settings else {}}
@@ -156,6 +159,7 @@ def main(ctx: Any) -> None:
     b = ctx.cfg.baselines
     from draftforge.target.load import load_tokenizer, read_target_info
 
+    mode = ChatMode.of(ctx.cfg)  # the target's chat mode: the prompt ids every engine gets are rendered in it
     info = read_target_info(ctx.input_marker("target"))
     names = enabled_methods(b, ctx.cfg.drafter.type)
     datasets, num_prompts, max_new = _prompt_plan(ctx)
@@ -165,9 +169,17 @@ def main(ctx: Any) -> None:
     device = device_kind("baselines.device", str(b.device), gpus=cuda_device_count())
     plans = {name: plan_method(name, b.methods[name], info, drafter_dir, device=device, trained_mtp_dir=mtp_dir)
              for name in names}
+    # A drafter served from this branch's train output (the block drafter: its marker is required above; a trained
+    # MTP head: checked when its marker is there) but trained in another chat mode: refused, or (allowed) labelled.
+    mismatch = None
+    train_marker = ctx.input_dir("train") / STAGE_MARKERS["train"]
+    if (drafter_dir is not None or any(p.source == "trained" for p in plans.values())) and train_marker.is_file():
+        mismatch = check_served(mode, train_marker, "baselines.allow_chat_mode_mismatch", bool(b.allow_chat_mode_mismatch))
+        if mismatch:
+            log.warning("baselines: chat mode mismatch (%s): baselines.allow_chat_mode_mismatch=true, rows labelled", mismatch)
 
     tokenizer = load_tokenizer(info)
-    rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts))
+    rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts), mode)
     segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
     settings = resolve_settings(b, info, device, longest, max_new)
@@ -202,6 +214,9 @@ def main(ctx: Any) -> None:
     all_rows = [row for name in names for row in rows_by_method[name]]
     for row in all_rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
         row["drafter"] = ctx.drafter
+    if mismatch:  # a drafter served in another chat mode than it was trained in (allowed): every row says so
+        for row in all_rows + [r for rows in sweep.values() for r in rows]:
+            row["chat_mode_mismatch"] = mismatch
     add_comparisons(all_rows, results)
     records = {name: method_record(name, plans[name], results[name], rows_by_method[name], logs.get(name)) for name in names}
     for name, record in records.items():
@@ -213,6 +228,8 @@ def main(ctx: Any) -> None:
         "engine": ENGINE,
         "target": info["name"],
         "target_fingerprint": info.get("fingerprint"),
+        RECORD_KEY: mode.kwargs,
+        "chat_mode_mismatch": mismatch,
         "device": device,
         "settings": settings.__dict__,
         "datasets": datasets,

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from draftforge.chat import prompt_ids
+from draftforge.chat import RECORD_KEY, ChatMode, prompt_ids
 from draftforge.curate.config import CurateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
@@ -73,12 +73,15 @@ def _drop_stale_outputs(out_dir: Path) -> None:
             p.unlink()
 
 
-def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any, fingerprint: str, progress: bool) -> tuple[Path, dict[str, Any]]:
-    """Selected rows (JSONL) + their stats; reused when the same selection was finished before."""
+def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any, fingerprint: str, progress: bool,
+                    mode: ChatMode) -> tuple[Path, dict[str, Any]]:
+    """Selected rows (JSONL) + their stats; reused when the same selection was finished before. Prompt lengths
+    are counted in the target's chat mode, so the mode is part of the key (when set: {} keeps earlier keys)."""
     eval_sets = load_eval_sets(cfg, ccfg) if ccfg.decontam.enabled else {}
     sel_cfg = {k: v for k, v in dataclasses.asdict(ccfg).items() if k not in ("regenerate", "shard_rows", "preview_rows")}
     sel_cfg["regenerate_enabled"] = ccfg.regenerate.enabled
-    key = sha256_json({"cfg": sel_cfg, "eval": eval_sets, "target": fingerprint})[:16]
+    key = sha256_json({"cfg": sel_cfg, "eval": eval_sets, "target": fingerprint,
+                       **({"chat": mode.kwargs} if mode.kwargs else {})})[:16]
     sel_dir = ctx_work / f"selection-{key}"
     rows_path, stats_path = sel_dir / "selected.jsonl", sel_dir / "selection.json"
     if rows_path.is_file() and stats_path.is_file():
@@ -93,7 +96,7 @@ def build_selection(ctx_work: Path, cfg: Any, ccfg: CurateConfig, tokenizer: Any
         log.info("decontamination against %s", {k: len(v) for k, v in eval_sets.items()})
 
     def count_tokens(msgs: list[dict[str, str]]) -> int:
-        return len(prompt_ids(tokenizer, msgs))
+        return len(prompt_ids(tokenizer, msgs, mode))
 
     def items_of(src):  # noqa: ANN001
         return iter_source(src, min_chars=ccfg.filters.min_chars, on_malformed=ccfg.filters.on_malformed, eval_cfg=cfg.get("evaluate"))
@@ -125,14 +128,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any], progress: bool, make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
+def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path,
+                   sel: dict[str, Any], progress: bool, mode: ChatMode,
+                   make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
+    """Answer every selected row with the target. Both backends (HF generate, vLLM `generate` on TokensPrompt)
+    take the prompt ids `chat.prompt_ids` renders in `mode`; vLLM never applies a chat template itself."""
     rcfg = ccfg.regenerate
     backend_name = choose_backend(rcfg)
     # HF generate runs on the GPU when one is visible (the target's dtype there); a GPU run never
     # resumes a CPU run's chunks (different numerics), while CPU keys stay what they were.
     hf_cuda = backend_name == "hf" and _cuda_available()
     backend_key = backend_name + ("-cuda" if hf_cuda else "")
-    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"]})[:16]
+    key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"],
+                       **({"chat": mode.kwargs} if mode.kwargs else {})})[:16]
     chunk_dir = ctx_work / f"regen-{key}"
 
     def default_backend():  # noqa: ANN202
@@ -149,12 +157,13 @@ def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tok
 
     stats = run_regeneration(
         rows_path, sel["n_rows"], chunk_dir, rcfg, make_backend or default_backend,
-        lambda row: prompt_ids(tokenizer, row["messages"]), progress=progress,
+        lambda row: prompt_ids(tokenizer, row["messages"], mode), progress=progress,
     )  # fmt: skip
     return chunk_dir, stats
 
 
-def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any], chunk_dir: Path | None) -> dict[str, Any]:
+def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any],
+                  chunk_dir: Path | None, mode: ChatMode) -> dict[str, Any]:
     """Tokenize every selected row (+ its regenerated answer) into shards; returns the accounting."""
     f = ccfg.filters
     _drop_stale_outputs(out_dir)
@@ -189,7 +198,7 @@ def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[in
                     eot_in_mask, truncated_kept = False, truncated_kept + 1
                 msgs = msgs + [{"role": "assistant", "content": text}]
             try:
-                tok = tokenize_conversation(tokenizer, msgs, eot, ccfg.mask_turns, eot_in_mask, specials)
+                tok = tokenize_conversation(tokenizer, msgs, eot, ccfg.mask_turns, eot_in_mask, specials, mode=mode)
                 n = len(tok.input_ids)
                 if n > f.max_tokens:
                     raise Drop("too_long_tokens")
@@ -261,16 +270,18 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
 
     t0 = time.perf_counter()
     ccfg = curate_config(ctx.cfg)
+    mode = ChatMode.of(ctx.cfg)  # the target's chat mode: every prompt, answer and mask below is rendered in it
     info = read_target_info(ctx.input_marker("target"))
     tokenizer = load_tokenizer(info)
     eot = end_of_turn_ids(tokenizer, info.get("eos_token_ids") or ())
     progress = ctx.is_rank0
-    rows_path, sel = build_selection(ctx.work_dir, ctx.cfg, ccfg, tokenizer, info["fingerprint"], progress)
+    rows_path, sel = build_selection(ctx.work_dir, ctx.cfg, ccfg, tokenizer, info["fingerprint"], progress, mode)
     regen: RegenStats | None = None
     chunk_dir = None
     if ccfg.regenerate.enabled and sel["n_rows"]:
-        chunk_dir, regen = regenerate_all(ctx.work_dir, ccfg, info, tokenizer, eot, rows_path, sel, progress, make_backend)
-    out = write_outputs(ctx.out_dir, ccfg, tokenizer, eot, rows_path, sel, chunk_dir)
+        chunk_dir, regen = regenerate_all(ctx.work_dir, ccfg, info, tokenizer, eot, rows_path, sel, progress, mode,
+                                          make_backend)
+    out = write_outputs(ctx.out_dir, ccfg, tokenizer, eot, rows_path, sel, chunk_dir, mode)
     if out["rows"]["train"] == 0:
         raise StageError(f"curate: no training rows survived (per source: {out['per_source']})")
     seconds = time.perf_counter() - t0
@@ -283,6 +294,7 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
         "format": "draftforge.curate/1",
         "target_fingerprint": info["fingerprint"],
         "target_name": info["name"],
+        RECORD_KEY: mode.kwargs,  # the chat mode the data was rendered in: extract and train carry it forward
         "shards": out["shards"],
         "rows": out["rows"],
         "counts": tot,

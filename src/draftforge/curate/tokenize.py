@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from draftforge.chat import render_text
+from draftforge.chat import ChatMode, render_text
 from draftforge.curate.schema import Drop
 
 
@@ -57,12 +57,13 @@ def _common_prefix_len(a: str, b: str) -> int:
     return len(common)
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], trained: list[int]) -> tuple[str, list[tuple[int, int]]]:
-    """(full rendered text, char span [start, end) of each trained assistant turn's content)."""
-    full = render_text(tokenizer, messages)
+def assistant_spans(tokenizer: Any, messages: list[dict[str, str]], trained: list[int],
+                    mode: ChatMode) -> tuple[str, list[tuple[int, int]]]:
+    """(full rendered text in the target's chat mode, char span [start, end) of each trained assistant turn's content)."""
+    full = render_text(tokenizer, messages, mode)
     spans = []
     for i in trained:
-        prefix = render_text(tokenizer, messages[:i], generation_prompt=True)
+        prefix = render_text(tokenizer, messages[:i], mode, generation_prompt=True)
         cursor = _common_prefix_len(prefix, full)
         content = messages[i]["content"]
         start = full.find(content, cursor)
@@ -79,8 +80,11 @@ def tokenize_conversation(
     mask_turns: str = "last",
     eot_in_mask: bool = True,
     specials: list[str] | None = None,
+    *,
+    mode: ChatMode,
 ) -> Tokenized:
-    """input_ids and loss_mask (1 = trained assistant content token or its end-of-turn token)."""
+    """input_ids and loss_mask (1 = trained assistant content token or its end-of-turn token), rendered in the
+    target's chat mode (`mode`: the curate stage's `ChatMode.of(cfg)`)."""
     if specials:
         for m in messages:
             if any(sp in m["content"] for sp in specials):
@@ -89,7 +93,7 @@ def tokenize_conversation(
     if not assistant:
         raise Drop("no_assistant_turn")
     trained = assistant[-1:] if mask_turns == "last" else assistant
-    full, spans = assistant_spans(tokenizer, messages, trained)
+    full, spans = assistant_spans(tokenizer, messages, trained, mode)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
     offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]

@@ -83,6 +83,9 @@ class EvaluateConfig:
     engine_capacity: int = 4096  # captured: KV rows (prompt + max_new_tokens + largest verify must fit)
     gsm_symbolic: GsmSymbolicEvalConfig = field(default_factory=GsmSymbolicEvalConfig)
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)
+    # Evaluate a drafter trained in another chat mode (target.chat_template_kwargs) anyway: rows carry
+    # `chat_mode_mismatch`; false refuses it in one line (draftforge.chat.check_served).
+    allow_chat_mode_mismatch: bool = False
 
     def __post_init__(self) -> None:
         check(bool(self.datasets), "evaluate.datasets", "empty, nothing to evaluate; name at least one prompt set "

@@ -14,7 +14,7 @@ turn, each method continuing from its own answers (all turns of one config back 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ class EngineSet:
     max_new_tokens: int
     engine: Any = None  # graph.CapturedEngine (evaluate.engine = captured) | None (eager)
     mtp: Any = None  # MTPHead (native or trained) for the methods drafting with an MTP head
+    # The target's chat mode (the stage's ChatMode.of(cfg)): every prompt is rendered in it.
+    chat_mode: chat.ChatMode = field(kw_only=True)
 
     def drafter_for(self, name: str) -> Any:
         """What `make_method` gets as the drafter: the MTP head for a method of an MTP-head type, the block
@@ -120,7 +122,7 @@ def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
     """Run every method config n times on one prompt and discard the results (allocator, kernels)."""
-    ids = chat.prompt_ids(es.tokenizer, split_turns(prompt)[0])
+    ids = chat.prompt_ids(es.tokenizer, split_turns(prompt)[0], es.chat_mode)
     for _ in range(n):
         for method in plan:
             run_one(es, method, ids, temperature, seed=0)
@@ -155,7 +157,7 @@ def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messag
     for turn, conv in enumerate(turns):
         if turn:
             conv = _with_answers(conv, history_extra)
-        ids = chat.prompt_ids(es.tokenizer, conv)
+        ids = chat.prompt_ids(es.tokenizer, conv, es.chat_mode)
         res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
         out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
                           budget=method[1], repeat=repeat, split=split))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from draftforge.chat import RECORD_KEY, ChatMode, check_served
 from draftforge.drafter.registry import (
     BLOCK_DRAFTER,
     MTP_HEAD,
@@ -57,7 +58,7 @@ def pick_dtype(cfg: EvaluateConfig, target_dtype: str, device: torch.device) -> 
     return dtype_named("evaluate.dtype", name)
 
 
-def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype) -> EngineSet:
+def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, dtype, mode: ChatMode) -> EngineSet:
     from draftforge.engine import wrap_target
     from draftforge.target.load import load_target_model, load_tokenizer
 
@@ -79,7 +80,7 @@ def load_engines(ctx, cfg: EvaluateConfig, info: dict[str, Any], plan, device, d
     eos = [int(e) for e in (info.get("eos_token_ids") or [])]
     head = load_mtp(ctx, cfg, info, device, dtype) if uses(plan, MTP_HEAD) else None
     return EngineSet(tm=tm, drafter=drafter, tokenizer=load_tokenizer(info), eos_ids=eos, max_new_tokens=cfg.max_new_tokens,
-                     engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head)
+                     engine=captured_engine(cfg, tm, drafter, head, plan), mtp=head, chat_mode=mode)
 
 
 def load_mtp(ctx, cfg: EvaluateConfig, info: dict[str, Any], device, dtype):
@@ -124,6 +125,12 @@ def captured_engine(cfg: EvaluateConfig, tm, drafter, head, plan):
     return eng
 
 
+def serves_trained(plan, info: dict[str, Any]) -> bool:
+    """Whether a planned method drafts with weights the branch's train stage made: the block drafter, or an MTP
+    head on a target without MTP layers (a native head was not trained on curate's data)."""
+    return uses(plan, BLOCK_DRAFTER) or (uses(plan, MTP_HEAD) and int(info.get("mtp_layers") or 0) == 0)
+
+
 def uses(plan, artifact: str) -> bool:
     """Whether a planned method drafts with this artifact of the branch's train output (drafter.registry)."""
     return any(artifact_of_method(m) == artifact for m, _ in plan)
@@ -166,6 +173,7 @@ def main(ctx) -> None:
     from draftforge.target.load import read_target_info
 
     cfg = evaluate_config(ctx)
+    mode = ChatMode.of(ctx.cfg)  # the target's chat mode: every prompt is rendered in it
     info = read_target_info(ctx.input_marker("target"))
     positions = int(info.get("max_position_embeddings") or 0)
     if positions and cfg.max_new_tokens > positions:  # before any model loads
@@ -177,6 +185,14 @@ def main(ctx) -> None:
 
         ctx.input_marker("train")
         check_drafter_target(ctx.input_dir("train") / BLOCK_DRAFTER, info)
+    # A drafter trained in another chat mode: refused, or (allowed) every row says so. The block drafter needs the
+    # train marker (above); a trained MTP head is checked when its marker is there (a missing head is load_mtp's error).
+    mismatch = None
+    train_marker = ctx.input_dir("train") / STAGE_MARKERS["train"]
+    if serves_trained(plan, info) and train_marker.is_file():
+        mismatch = check_served(mode, train_marker, "evaluate.allow_chat_mode_mismatch", cfg.allow_chat_mode_mismatch)
+        if mismatch:
+            log.warning("evaluate: chat mode mismatch (%s): evaluate.allow_chat_mode_mismatch=true, rows labelled", mismatch)
     if cfg.gpus > 0 and ctx.world_size != cfg.gpus:
         log.warning("evaluate.gpus=%d but WORLD_SIZE=%d: using %d rank(s)", cfg.gpus, ctx.world_size, ctx.world_size)
     device = pick_device("evaluate.gpus", "auto", cfg.gpus, ctx.local_rank)
@@ -185,7 +201,7 @@ def main(ctx) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
     sets, calib = eval_and_calibration_sets(cfg)
-    es = load_engines(ctx, cfg, info, plan, device, dtype)
+    es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
 
     all_rows: list[dict[str, Any]] = []
     files = {}
@@ -213,9 +229,12 @@ def main(ctx) -> None:
         rows = aggregate(records, calibration_prompts=cfg.calibration_prompts)
         for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
             row["drafter"] = ctx.drafter
+            if mismatch:
+                row["chat_mode_mismatch"] = mismatch
         all_rows += rows
         path = ctx.out_dir / f"{dataset}.json"
-        payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), "device": str(device),
+        payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), RECORD_KEY: mode.kwargs,
+                   "chat_mode_mismatch": mismatch, "device": str(device),
                    "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE, "rows": rows,
                    "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))}
         write_json(path, payload)
@@ -233,6 +252,7 @@ def main(ctx) -> None:
     if ctx.is_rank0:
         write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
             "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
+            RECORD_KEY: mode.kwargs, "chat_mode_mismatch": mismatch,
             "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
             "note": BEST_NOTE, "rows": all_rows,
         })  # fmt: skip
@@ -257,6 +277,8 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
             tags["auto_budget"] = row.get("auto_budget", False)  # calibrated: chosen before evaluation
         if row.get("mtp_source"):
             tags["mtp_source"] = row["mtp_source"]
+        if row.get("chat_mode_mismatch"):
+            tags["chat_mode_mismatch"] = row["chat_mode_mismatch"]
         name = f"{ctx.drafter}/{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
             metrics = {k: row[k] for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tpot_ms", "ttft_ms",

@@ -110,13 +110,15 @@ def build_index(plan: ExtractPlan, shard_dir: Path, *, taps: list[int], hidden_s
 
 
 def finalize(ctx, plan: ExtractPlan, shard_dir: Path, *, taps: list[int], hidden_size: int, fingerprint: str,
-             storage_dtype: str, meta: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """Rank 0 after the barrier: check every shard, link them into out_dir, write index.json last."""
+             storage_dtype: str, meta: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Rank 0 after the barrier: check every shard, link them into out_dir, write index.json last. `record`: top-level
+    keys carried from upstream (the curate data's chat mode)."""
     from draftforge.tracking import mlflow_run
 
     out_dir = Path(ctx.out_dir)
     index = build_index(plan, shard_dir, taps=taps, hidden_size=hidden_size, fingerprint=fingerprint,
                         storage_dtype=storage_dtype)  # fmt: skip
+    index.update(record or {})
     index["throughput"] = throughput(shard_dir, ctx.world_size)
     index["meta"] = meta
     (out_dir / INDEX_NAME).unlink(missing_ok=True)  # never a marker beside shards being replaced

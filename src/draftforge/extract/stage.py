@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.errors import StageError
 from draftforge.extract.index import finalize, verify_owned
 from draftforge.extract.plan import ExtractPlan, plan_extraction
@@ -61,7 +62,8 @@ def attn_impl(cfg, device: torch.device) -> str:
     return cfg.attn_implementation if cfg.attn_implementation != "auto" else ("sdpa" if device.type == "cuda" else "eager")
 
 
-def check_curate(ctx, info: dict[str, Any]) -> None:
+def check_curate(ctx, info: dict[str, Any]) -> dict[str, Any]:
+    """The curate manifest, checked to belong to this target."""
     manifest_path = ctx.input_marker("curate")
     manifest = read_json(manifest_path, what="curate manifest")
     fp = manifest.get("target_fingerprint")
@@ -70,6 +72,7 @@ def check_curate(ctx, info: dict[str, Any]) -> None:
             f"{manifest_path}: target_fingerprint {str(fp)[:12]} != target.json fingerprint "
             f"{info['fingerprint'][:12]}: curate ran for another target; rerun curate"
         )
+    return manifest
 
 
 def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | None = None) -> dict[str, Any] | None:
@@ -80,7 +83,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
     cfg = ctx.cfg.extract
     target_json = ctx.input_marker("target")
     info = read_target_info(target_json)
-    check_curate(ctx, info)
+    data_mode = ChatMode.record_of(check_curate(ctx, info))  # the chat mode curate rendered the sequences in
     taps = list(info["drafter"].get("target_layer_ids") or [])
     if not taps or sorted(set(taps)) != taps or taps[0] < 0 or taps[-1] >= int(info["num_layers"]):
         raise StageError(f"{target_json}: drafter.target_layer_ids {taps} must be strictly increasing ids "
@@ -137,7 +140,8 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                 "n_truncated": plan.n_truncated, "last_hidden": store_last,
                 "taps_key": taps_key(plan, extra_key)}  # fmt: skip
         return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
-                        fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta)  # fmt: skip
+                        fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta,
+                        record={RECORD_KEY: data_mode.kwargs})  # fmt: skip
     finally:
         dist.close()
 

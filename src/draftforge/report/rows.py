@@ -13,10 +13,11 @@ from draftforge.io import read_json
 from draftforge.rows import ROW_KEYS
 
 # One row per dataset × method × budget; the columns of summary.csv in this order: the shared keys, then the
-# standalone engine's timing spread over repeats and its tree-budget flags (empty for vLLM rows).
+# standalone engine's timing spread over repeats and its tree-budget flags (empty for vLLM rows), then the label of a
+# drafter measured in another chat mode than it was trained in (empty unless allow_chat_mode_mismatch ran it).
 COLUMNS: tuple[str, ...] = ROW_KEYS + (
     "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_ar_min", "speedup_vs_ar_max", "repeats",
-    "auto_budget", "best_budget",
+    "auto_budget", "best_budget", "chat_mode_mismatch",
 )  # fmt: skip
 AUTO_NAME = "auto budget (calibrated)"
 AUTO_GOAL = 0.9  # auto tokens/s ÷ oracle tokens/s below this: the report says why

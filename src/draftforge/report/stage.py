@@ -52,7 +52,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         cells = [
             fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), budget, with_spread(r, "tokens_per_s", 1),
             with_spread(r, "speedup_vs_ar", 2), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
-            r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else ""),
+            r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else "")
+            + (f" (chat mode mismatch: {r['chat_mode_mismatch']})" if r.get("chat_mode_mismatch") else ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

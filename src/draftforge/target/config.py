@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 # OmegaConf reads the literal "???" as a required (missing) value; spelled out here so this module
 # (used by GPU benchmarks on machines without omegaconf) stays dependency-free.
@@ -79,6 +79,9 @@ class TargetConfig:
     num_layers: Optional[int] = None  # expected layer count (checked when set)
     mtp_layers: int = 0  # MTP layers the checkpoint is expected to carry
     hybrid_attention: bool = False  # Gated-DeltaNet (linear-attention) layers present
+    # Options of the target's chat template, e.g. {enable_thinking: false} (Qwen3 hybrid thinking): the chat mode
+    # every stage renders conversations in (draftforge.chat.ChatMode); {} = the template's defaults.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     drafter: DrafterInputsConfig = field(default_factory=DrafterInputsConfig)
     random: Optional[RandomTargetConfig] = None
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.export import export_drafter
 from draftforge.drafter.registry import build_model_config, resolve, type_of
@@ -70,6 +71,14 @@ def drafter_numel(dcfg: DFlashConfig) -> int:
     return sum(math.prod(shape) for shape in expected_shapes(dcfg).values())
 
 
+def data_chat_mode(ctx, cfg: TrainConfig) -> ChatMode:
+    """The chat mode of the data this branch trains on, as curate recorded it: read from the curate manifest
+    (online) or the extract index, which carries it forward (offline). The export and metrics.json record it, and
+    evaluate / baselines refuse to serve the drafter in another mode (draftforge.chat.check_served)."""
+    marker = ctx.input_marker("curate" if cfg.features == "online" else "extract")
+    return ChatMode.record_of(read_json(marker, what="training data record"))
+
+
 def task_for(drafter: Any) -> BranchBuilder:
     """How the branch of this drafter (`drafter` section: its `type`) trains: the one switch on drafter type."""
     return resolve(type_of(drafter).train_branch)
@@ -95,7 +104,9 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
                 raise StageError(f"{branch.label}: stopped by {stop.reason or 'request'} after step {result.step}/"
                                  f"{result.total_steps}; checkpoint in {branch.spec.ckpt_dir}; rerun the same command to resume")
             if ctx.is_rank0:  # the export, then metrics.json (the marker) last
-                write_json(ctx.out_dir / STAGE_MARKERS["train"], branch.finish(result, run_log))
+                metrics = branch.finish(result, run_log)
+                metrics[RECORD_KEY] = data_chat_mode(ctx, cfg).kwargs  # the mode the drafter was trained in
+                write_json(ctx.out_dir / STAGE_MARKERS["train"], metrics)
         if ctx.world_size > 1:
             dist.barrier()
     finally:
@@ -189,7 +200,8 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
     drafter_dir = ctx.out_dir / "drafter"
     export_drafter(model, dcfg, drafter_dir, dtype=getattr(torch, cfg.export_dtype),
                    extra_config={"draftforge": {"target": info["name"], "target_fingerprint": info["fingerprint"],
-                                                "selected": selected, "steps": result.step}})
+                                                "selected": selected, "steps": result.step,
+                                                RECORD_KEY: data_chat_mode(ctx, cfg).kwargs}})
     run_log.log_artifact(drafter_dir / "config.json", artifact_path="drafter")
     last = result.history[-1] if result.history else {}
     metrics = {
