@@ -110,6 +110,17 @@ def build(tiny: bool):
     return tm, DFlashDrafter(cfg).eval()
 
 
+def dspark_of(d: DFlashDrafter) -> DFlashDrafter:
+    """A DSpark drafter on `d`'s backbone shape (DSpark's default block, Markov rank 256, confidence head)."""
+    from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
+
+    torch.manual_seed(2)
+    ds = DSparkDrafter(DSparkConfig.from_dflash(d.cfg, markov_rank=256, enable_confidence_head=True,
+                                                confidence_head_with_markov=True, bonus_anchor=False))
+    ds.reset_parameters(std=0.02)
+    return ds.eval()
+
+
 def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
     ids = torch.tensor([prompt])
     state = TargetState(tm, len(prompt) + 80)
@@ -149,6 +160,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--budgets", default="4,8,16,32")
+    ap.add_argument("--dspark", action="store_true",
+                    help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter")
     ap.add_argument("--compare-unpacked", action="store_true",
                     help="also time verify(n) and the drafter pass with every Linear on F.linear (no oneDNN packing)")
     args = ap.parse_args()
@@ -180,6 +193,12 @@ def main() -> None:
         floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
         rec["rounds"].append({"method": name, "budget": b, **rt, "floor_ms": floor,
                               "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
+    if args.dspark:  # the DSpark methods on a DSpark drafter of the same backbone (random heads, rank 256)
+        ds = dspark_of(d)
+        for name, b in (("dflash", None), ("dspark", None), ("ddtree", 64), ("ddtree_markov", 64)):
+            generate(tm, make_method(name, tm, ds, b), prompt, 4)  # warm-up
+            rt = round_times(generate(tm, make_method(name, tm, ds, b), prompt, n_tok), 1)
+            rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
     if args.compare_unpacked:  # the same probes with F.linear (MKL), interleaved after the packed ones
         rec["unpacked"] = unpacked(tm, d, prompt, args)
     write_record("cpu_roofline", rec)
@@ -193,8 +212,9 @@ def main() -> None:
     print(f"{'draft':>9} {dr['ms']:8.1f} {dr['floor_ms']:8.1f} {'':>7} {dr['over_floor']:7.2f} {dr['over_ar']:6.2f}")
     print(f"{'round':>9} {'ms':>8} {'floor':>8} {'/floor':>7} {'/AR':>6} {'draft':>7} {'verify':>7} {'other':>6}")
     for r in rec["rounds"]:
-        label = r["method"] + (f"-{r['budget']}" if r["budget"] else "")
-        print(f"{label:>9} {r['round_ms']:8.1f} {r['floor_ms']:8.1f} {r['over_floor']:7.2f} {r['over_ar']:6.2f} "
+        label = r["method"] + (f"-{r['budget']}" if r["budget"] else "") + (" (ds)" if r.get("drafter") else "")
+        floor = f"{r['floor_ms']:8.1f} {r['over_floor']:7.2f}" if "floor_ms" in r else f"{'':>8} {'':>7}"
+        print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
     if "unpacked" in rec:
         u = rec["unpacked"]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine.cpu_linear import SMALL_WEIGHT, pack_linears
+from draftforge.engine.cpu_linear import PACK_MIN, SMALL_WEIGHT, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -22,7 +22,7 @@ def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_equals_f_linear_and_is_repacked_after_a_weight_change(rows, bias):
     big = _lin(SMALL_WEIGHT // 64 + 1, 64, bias)  # one row through a large weight also goes through oneDNN
-    small = _lin(48, 64, bias)
+    small = _lin(PACK_MIN // 64 + 1, 64, bias)  # packed; one row stays on F.linear
     for lin in (big, small):
         assert pack_linears(lin) == 1 and pack_linears(lin) == 0  # idempotent
         x = torch.randn(1, rows, 64)
@@ -34,9 +34,14 @@ def test_packed_equals_f_linear_and_is_repacked_after_a_weight_change(rows, bias
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_tiny_weight_is_left_on_f_linear():
+    tiny = _lin(64, 64, False)
+    assert pack_linears(tiny) == 0 and not hasattr(tiny, "_draftforge_packed")
+
+
 def test_autograd_goes_through_f_linear():
-    lin = _lin(32, 16, True)
-    pack_linears(lin)
+    lin = _lin(PACK_MIN // 16 + 1, 16, True)
+    assert pack_linears(lin) == 1
     x = torch.randn(3, 16)
     lin(x).sum().backward()
-    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, torch.ones(32, 1) * x.sum(0)[None])
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, torch.ones(PACK_MIN // 16 + 1, 1) * x.sum(0)[None])

@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_WEIGHT = 1 << 22  # below this many values a one-row product stays on F.linear (oneDNN's call costs more)
+# Below this many values a weight is not packed at all: oneDNN's fixed cost per call exceeds the whole product
+# (a 64 × 64 weight: ~3-10× F.linear's time at 1-17 rows), so only tiny models (the tests' random ones) are left
+# on F.linear; every projection of a real target (SmolLM2-135M's smallest, k/v, is 576 × 192) is packed.
+PACK_MIN = 1 << 16
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -45,14 +49,15 @@ def _pack(lin: nn.Linear) -> None:
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Route every fp32 CPU nn.Linear of `module` through a prepacked oneDNN weight (idempotent) → how many."""
+    """Route every fp32 CPU nn.Linear of `module` with at least PACK_MIN weights through a prepacked oneDNN
+    weight (idempotent) → how many."""
     if not torch.backends.mkldnn.is_available():
         return 0
     n = 0
     for lin in module.modules():
         if not isinstance(lin, nn.Linear) or hasattr(lin, "_draftforge_packed"):
             continue
-        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32:
+        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32 or lin.weight.numel() < PACK_MIN:
             continue
         _pack(lin)
         lin.forward = types.MethodType(_packed_forward, lin)
