@@ -30,6 +30,7 @@ from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
 from draftforge.stages import STAGE_BY_NAME, STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
+from draftforge.timing_lock import TimingLockConfig
 from draftforge.train.config import TrainConfig
 
 
@@ -45,6 +46,9 @@ class RootConfig:
     results_root: str = ""  # empty → <repo>/results (or $DRAFTFORGE_RESULTS)
     seed: int = 0
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # The machine-wide lock of evaluate's and baselines' timed part (draftforge/timing_lock.py); it changes no
+    # result, so no stage's params track it.
+    timing_lock: TimingLockConfig = field(default_factory=TimingLockConfig)
     # The drafters the DAG trains: conf/drafter/<name>.yaml each; train / evaluate / baselines run once per
     # name (results/<exp>/<stage>/<name>/), target / curate / extract once.
     drafters: List[str] = field(default_factory=lambda: ["dflash"])
@@ -176,14 +180,15 @@ def override_key(override: str) -> str:
 
 
 def stage_overrides(stage: str, overrides: Sequence[str], ignored: Sequence[str] = ()) -> list[str]:
-    """The overrides that can change what `stage` computes (its sections and global keys), less those that set
+    """The overrides that can change what `stage` computes (its sections and global keys), and for a timing
+    stage the timing lock's settings (they reach the stage only on its command line), less those that set
     only keys in `ignored` (a branch's `registry.ignored_keys`, or under one of them).
 
     Passing a stage only these keeps its command line, and so Snakemake's rerun decision, independent
     of overrides aimed at other stages or other branches' types; what it computes is unchanged since it
     reads only its sections, and a branch never reads its type's ignored keys.
     """
-    keys = STAGE_SECTIONS[stage] + GLOBAL_KEYS
+    keys = STAGE_SECTIONS[stage] + GLOBAL_KEYS + (("timing_lock",) if STAGE_BY_NAME[stage].timing else ())
 
     def reads(key: str) -> bool:  # the override sets a key the stage reads, or a parent of one
         if any(key == k or key.startswith(k + ".") for k in ignored):

@@ -4,8 +4,14 @@ Runs carry the tags stage, pipeline, config_hash, git_sha, method, dataset so `m
 and compare runs of different stages and engines side by side. SQLite is shared by concurrent
 Snakemake jobs: every call retries on "database is locked", and the first touch of the store in a
 process (when MLflow may create or migrate the schema) holds an exclusive file lock beside the
-database, so stages starting together on a fresh store do not run the schema setup twice. Runs a
-killed process left RUNNING (same experiment and stage) are marked KILLED when the stage restarts.
+database, so stages starting together on a fresh store do not run the schema setup twice.
+
+Every run records the process that owns it (draftforge.owner: host, machine, pid, start time) as tags. When a
+stage starts, runs of the same experiment, stage and branch (the `drafter` tag) left RUNNING by a process that
+is provably gone are marked KILLED. Several branches of one stage run at once (Snakemake --cores all,
+SLURM), and a rerun may start while an older job still runs, so a run whose owner is alive is never touched;
+neither is a run owned on another machine (its pid cannot be looked up from here: the next start of that
+branch on its own machine, or `mlflow ui`, settles it) nor one without owner tags (recorded before them).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from draftforge.owner import as_fields as owner_fields
+from draftforge.owner import from_fields as owner_from_fields
+from draftforge.owner import is_alive, this_process
 from draftforge.paths import mlflow_uri
 
 log = logging.getLogger(__name__)
@@ -115,27 +124,40 @@ def store_setup_lock(uri: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-_CLEANED: set[tuple[str, str, str]] = set()
+_CLEANED: set[tuple[str, str, str, str]] = set()
 
 
-def mark_stale_runs_killed(exp_id: str, stage: str) -> int:
-    """Runs of this experiment and stage still RUNNING from a killed process → KILLED.
+def mark_stale_runs_killed(exp_id: str, stage: str, branch: str = "") -> int:
+    """Runs of this experiment, stage and branch still RUNNING whose owner process is gone → KILLED.
 
-    Snakemake never runs two jobs of one stage of one experiment at once, so at the stage's first
-    run any RUNNING run of that stage is a leftover. Done once per process and stage.
+    Only a run whose recorded owner (draftforge.owner) ran on this machine and is no longer alive is stale;
+    another branch's run, a live process's run (this one's included) and another machine's run are left
+    alone. Done once per process, stage and branch.
     """
     import mlflow
 
-    key = (mlflow.get_tracking_uri(), exp_id, stage)
+    key = (mlflow.get_tracking_uri(), exp_id, stage, branch)
     if key in _CLEANED:
         return 0
     _CLEANED.add(key)
     client = mlflow.MlflowClient()
-    stale = with_retries(lambda: client.search_runs([exp_id], filter_string=f"tags.stage = '{stage}' AND attributes.status = 'RUNNING'"))
-    for run in stale:
-        with_retries(lambda rid=run.info.run_id: client.set_terminated(rid, status="KILLED"))
-        log.warning("MLflow run %s (%s) was left RUNNING by a killed %s stage: marked KILLED", run.info.run_id, run.info.run_name, stage)
-    return len(stale)
+    running = with_retries(lambda: client.search_runs([exp_id], filter_string=f"tags.stage = '{stage}' AND attributes.status = 'RUNNING'"))
+    killed = 0
+    for run in running:
+        tags = run.data.tags
+        if tags.get("drafter", "") != branch:
+            continue
+        holder = owner_from_fields(tags)
+        alive = None if holder is None else is_alive(holder)
+        if alive is False:
+            with_retries(lambda rid=run.info.run_id: client.set_terminated(rid, status="KILLED"))
+            log.warning("MLflow run %s (%s) was left RUNNING by %s, which is gone: marked KILLED", run.info.run_id,
+                        run.info.run_name, holder.describe())
+            killed += 1
+        elif alive is None:
+            whose = "no owner recorded" if holder is None else f"owned by {holder.describe()}, another machine"
+            log.info("MLflow run %s (%s) is RUNNING (%s): left as it is", run.info.run_id, run.info.run_name, whose)
+    return killed
 
 
 def experiment_name(draftforge_experiment: str) -> str:
@@ -156,7 +178,8 @@ def mlflow_run(
 ) -> Iterator[RunLogger]:
     """Open an MLflow run (rank 0 and enabled), tagged; yields a RunLogger (no-op otherwise).
 
-    Required tags: stage; others (pipeline, config_hash, git_sha, method, dataset) come from `tags`.
+    Required tags: stage and the owner_* tags of this process; others (pipeline, config_hash, git_sha, method,
+    dataset, drafter) come from `tags`.
     A run that raises ends with status FAILED, never silently FINISHED.
     """
     if not (enabled and is_rank0()):
@@ -178,10 +201,11 @@ def mlflow_run(
         return mlflow.create_experiment(exp_name, artifact_location=f"{artifact_root}/{experiment}",
                                         tags={"mlflow.experimentKind": "custom_model_development"})
 
+    all_tags = {"stage": stage, "pipeline": experiment, **{k: str(v) for k, v in (tags or {}).items()},
+                **owner_fields(this_process())}
     with store_setup_lock(tracking_uri):
         exp_id = with_retries(_experiment_id)
-        mark_stale_runs_killed(exp_id, stage)
-    all_tags = {"stage": stage, "pipeline": experiment, **{k: str(v) for k, v in (tags or {}).items()}}
+        mark_stale_runs_killed(exp_id, stage, all_tags.get("drafter", ""))
     run = with_retries(lambda: mlflow.start_run(experiment_id=exp_id, run_name=run_name or stage, tags=all_tags))
     logger = RunLogger(run.info.run_id)
     status = "FAILED"

@@ -221,3 +221,42 @@ def test_full_disk_is_one_line(tmp_path, capsys):
             run_stage("train", stage_main(use_torch), ["experiment=smoke", "target=tiny-random", f"results_root={tmp_path}"])
         assert exc.value.code == 2
         assert "disk full or write failed" in _one_error_line(capsys, "train")
+
+
+# Another experiment's timed stage on this machine, holding the timing lock until killed.
+_HOLD_TIMING_LOCK = """
+import sys, time
+from draftforge.timing_lock import TimingLockConfig, hold_timing_lock
+with hold_timing_lock(TimingLockConfig(dir=sys.argv[1]), experiment="other", stage="evaluate", branch="dspark"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "baselines"])
+def test_a_timed_stage_waits_for_another_experiments_timing(tmp_path, capsys, stage):
+    """evaluate and baselines take the machine-wide timing lock before any engine loads: while another
+    experiment's stage times, they wait, and past timing_lock.timeout_s end in one line naming it, writing nothing."""
+    from draftforge.baselines.stage import main as baselines_main
+    from draftforge.evaluate.stage import main as evaluate_main
+
+    root, locks = tmp_path / "results", tmp_path / "locks"
+    tiny_pipeline(root)
+    holder = subprocess.Popen([PY, "-c", _HOLD_TIMING_LOCK, str(locks)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["experiment=smoke", "target=tiny-random", f"results_root={root}", "tracking.enabled=false",
+                "evaluate.datasets=[chitchat]", "evaluate.num_prompts=1", "evaluate.max_new_tokens=4",
+                "evaluate.methods=[ar,dflash]", "evaluate.warmup=0", "baselines.methods.ngram.enabled=false",
+                f"timing_lock.dir={locks}", "timing_lock.timeout_s=2"]  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            run_stage(stage, evaluate_main if stage == "evaluate" else baselines_main, args)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert exc.value.code == 2
+    line = _one_error_line(capsys, stage)
+    assert f"{locks}/draftforge-timing.lock: waited 2 s (timing_lock.timeout_s)" in line, line
+    assert f"still held by pid {holder.pid} on " in line and "(experiment 'other', evaluate/dspark, since " in line, line
+    out = root / "smoke" / stage / "dflash"
+    assert [p.name for p in out.rglob("*") if p.is_file()] == ["provenance.json"]  # written before the stage ran

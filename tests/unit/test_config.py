@@ -161,3 +161,15 @@ def test_every_drafter_file_composes_as_a_branch(drafter: str) -> None:
         reads_target = (cfg.drafter.type == "dspark" or bool(cfg.drafter.acceptance_weighting)
                         or (cfg.drafter.loss_tv or 0) > 0 or (cfg.drafter.loss_kl or 0) > 0)
         assert needs_last_layer(cfg) == reads_target
+
+
+def test_the_timing_lock_reaches_only_the_timing_stages_and_is_no_param() -> None:
+    """timing_lock.* changes no result: no stage's params hold it, and only evaluate and baselines (the stages that
+    take the lock) get the override on their command line."""
+    overrides = ["timing_lock.timeout_s=60", "timing_lock.dir=/shared/locks"]
+    assert stage_overrides("evaluate", overrides) == overrides and stage_overrides("baselines", overrides) == overrides
+    assert stage_overrides("train", overrides) == [] and stage_overrides("report", overrides) == []
+    cfg = compose("smoke", overrides)
+    assert cfg.timing_lock.timeout_s == 60 and cfg.timing_lock.dir == "/shared/locks"
+    assert all("timing_lock" not in stage_params(cfg, s) for s in ("evaluate", "baselines"))
+    assert stage_params(cfg, "evaluate") == stage_params(compose("smoke"), "evaluate")

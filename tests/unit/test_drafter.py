@@ -199,6 +199,33 @@ def test_a_truncated_export_is_one_error_naming_the_file(tmp_path):
         assert "\n" not in str(err.value)
 
 
+def test_a_config_edited_after_export_is_refused_by_every_reader(tmp_path, tiny_target_info):
+    """config.json records its own checksum at export: a changed block_size or taps (the weights stay loadable, so
+    nothing else would notice) is one StageError naming the file in load_drafter (evaluate), the vLLM spec reader
+    (baselines) and the target check; a reformatted but unchanged config still loads."""
+    from draftforge.baselines.spec import read_drafter_config
+    from draftforge.drafter.config import check_drafter_target
+
+    torch.manual_seed(0)
+    cfg = small_cfg(hidden_size=tiny_target_info["hidden_size"], vocab_size=tiny_target_info["vocab_size"],
+                    target_num_layers=tiny_target_info["num_layers"], target_layer_ids=[0, 1], mask_token_id=3)
+    fingerprint = {"draftforge": {"target": tiny_target_info["name"], "target_fingerprint": tiny_target_info["fingerprint"]}}
+    out = export_drafter(DFlashDrafter(cfg), cfg, tmp_path / "drafter", dtype=torch.float32, extra_config=fingerprint)
+    cfg_path = out / "config.json"
+    exported = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(dict(reversed(list(exported.items())))))  # same content, another layout
+    assert load_drafter(out).cfg == cfg
+    assert read_drafter_config(out, tiny_target_info)["block_size"] == B
+    for key, value in (("block_size", 64), ("block_size", 2), ("dflash_config", {**exported["dflash_config"], "target_layer_ids": [1, 0]})):
+        cfg_path.write_text(json.dumps({**exported, key: value}, indent=2))
+        for read in (load_drafter, lambda d: read_drafter_config(d, tiny_target_info), lambda d: check_drafter_target(d, tiny_target_info)):
+            with pytest.raises(StageError, match=rf"^{cfg_path}: edited after export .*retrain / re-export") as err:
+                read(out)
+            assert "\n" not in str(err.value)
+    cfg_path.write_text(json.dumps(exported))
+    assert load_drafter(out).cfg == cfg
+
+
 def test_warm_start_copies_target_layers(tiny_target_info):
     from draftforge.drafter.warm_start import init_from_target, read_tensors
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from draftforge.owner import is_alive, this_process
 from draftforge.paths import mlflow_uri
 from draftforge.tracking import experiment_name, flatten, mlflow_run
 
@@ -83,3 +87,58 @@ def test_two_processes_log_concurrently(tmp_path: Path) -> None:
 
 def test_flatten() -> None:
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "None"}
+
+
+# A stage's run held open by its own process, as a long train branch holds it (prints once the run is open).
+_HOLD_RUN = """
+import sys, time
+from draftforge.tracking import mlflow_run
+root, branch, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with mlflow_run(results_root=root, experiment="branches", stage="train", run_name="train/tiny", tags={"drafter": branch}):
+    print("open", flush=True)
+    time.sleep(hold)
+"""
+
+
+def _hold(root: Path, branch: str, hold: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_RUN, str(root), branch, str(hold)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen = []
+    while hold and (line := proc.stdout.readline()) and line.strip() != "open":  # MLflow logs its schema setup first
+        seen.append(line)
+    assert not hold or proc.poll() is None, "".join(seen)
+    return proc
+
+
+def _statuses(root: Path) -> list[tuple[str, str]]:
+    runs = _search(root, "branches")
+    return sorted(zip(runs["tags.drafter"], runs["status"]))
+
+
+def test_only_runs_of_a_dead_owner_on_the_same_branch_are_marked_killed(tmp_path: Path) -> None:
+    """Two branches of one stage run at once, and a branch may restart while its older job still runs: a
+    starting run leaves every run whose owner process is alive; once that owner is SIGKILLed, the next start of
+    its branch marks its run KILLED and leaves the other branch's live run alone."""
+    dflash = _hold(tmp_path, "dflash", 600)
+    dspark = _hold(tmp_path, "dspark", 600)
+    try:
+        with mlflow_run(results_root=tmp_path, experiment="branches", stage="train", tags={"drafter": "dflash"}):
+            pass
+        assert _statuses(tmp_path) == [("dflash", "FINISHED"), ("dflash", "RUNNING"), ("dspark", "RUNNING")]
+        dflash.kill()
+        dflash.wait(timeout=60)
+        restart = _hold(tmp_path, "dflash", 0)  # the branch's next start, in a process of its own
+        assert restart.wait(timeout=300) == 0, restart.stdout.read()
+        assert _statuses(tmp_path) == [("dflash", "FINISHED"), ("dflash", "FINISHED"), ("dflash", "KILLED"),
+                                       ("dspark", "RUNNING")]
+    finally:
+        for proc in (dflash, dspark):
+            proc.kill()
+            proc.wait(timeout=60)
+
+
+def test_owner_liveness_survives_pid_reuse_and_leaves_other_machines() -> None:
+    me = this_process()
+    assert is_alive(me) is True
+    assert is_alive(replace(me, started=str(int(me.started) + 1))) is False  # same pid, another process
+    assert is_alive(replace(me, machine="another-boot/pid:[1]")) is None

@@ -4,11 +4,13 @@ EAGLE-3; dspark: DSpark; mtp: MTP) on the evaluate stage's prompts.
 Outputs under results/<exp>/baselines/<name>/: `<method>.json` per method (rows, counters, per-prompt
 timings and tokens), `logs/<method>.log` (the engine's stderr), and `baselines.json` last (marker:
 all rows, method statuses; report checks parity against evaluate). Worker specs/results live in the work dir.
-A missing vLLM is a recorded skip with its reason in every row, never numbers.
+A missing vLLM is a recorded skip with its reason in every row, never numbers. Engine starts and timed passes
+hold the machine-wide timing lock (draftforge/timing_lock.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from pathlib import Path
@@ -155,6 +157,13 @@ def _log_mlflow(ctx: Any, records: dict[str, dict[str, Any]], settings: Any, out
                 run.log_artifact(out_dir / f"{name}.json")
 
 
+def timing_lock(ctx: Any) -> contextlib.AbstractContextManager[None]:
+    """The machine-wide timing lock (draftforge/timing_lock.py), held while vLLM engines start and time."""
+    from draftforge.timing_lock import hold_timing_lock
+
+    return hold_timing_lock(ctx.cfg.timing_lock, experiment=ctx.experiment, stage=ctx.stage, branch=ctx.drafter)
+
+
 def main(ctx: Any) -> None:
     b = ctx.cfg.baselines
     from draftforge.target.load import load_tokenizer, read_target_info
@@ -190,21 +199,23 @@ def main(ctx: Any) -> None:
     results: dict[str, dict[str, Any]] = {}
     logs: dict[str, Path] = {}
     skip_all = vllm_missing_reason() or target_unsupported_reason(info, device)
-    for name in tqdm(names, desc="baselines", disable=not ctx.is_rank0):
-        plan = plans[name]
-        if skip_all or plan.skip_reason:
-            results[name] = {"method": name, "status": "skipped", "reason": skip_all or plan.skip_reason}
-            log.warning("baselines %s: skipped: %s", name, results[name]["reason"])
-            continue
-        logs[name] = ctx.out_dir / "logs" / f"{name}.log"
-        spec = worker_spec(plan, info, settings, segments, max_new, b)
-        results[name] = run_worker(spec, ctx.work_dir / "runs", logs[name], float(b.timeout_s), env)
-        status = results[name]["status"]
-        if status == "skipped":  # vLLM failed to import in the worker: no other engine can start
-            skip_all = results[name]["reason"]
-        log.info("baselines %s: %s%s", name, status, f" ({results[name].get('reason')})" if results[name].get("reason") else "")
+    timed = not skip_all and any(not plans[n].skip_reason for n in names)
+    with timing_lock(ctx) if timed else contextlib.nullcontext():  # every engine start and timed pass
+        for name in tqdm(names, desc="baselines", disable=not ctx.is_rank0):
+            plan = plans[name]
+            if skip_all or plan.skip_reason:
+                results[name] = {"method": name, "status": "skipped", "reason": skip_all or plan.skip_reason}
+                log.warning("baselines %s: skipped: %s", name, results[name]["reason"])
+                continue
+            logs[name] = ctx.out_dir / "logs" / f"{name}.log"
+            spec = worker_spec(plan, info, settings, segments, max_new, b)
+            results[name] = run_worker(spec, ctx.work_dir / "runs", logs[name], float(b.timeout_s), env)
+            status = results[name]["status"]
+            if status == "skipped":  # vLLM failed to import in the worker: no other engine can start
+                skip_all = results[name]["reason"]
+            log.info("baselines %s: %s%s", name, status, f" ({results[name].get('reason')})" if results[name].get("reason") else "")
 
-    sweep = run_concurrency_sweep(ctx, names, plans, results, info, settings, segments, max_new, env)
+        sweep = run_concurrency_sweep(ctx, names, plans, results, info, settings, segments, max_new, env)
 
     rows_by_method = {name: method_rows(name, results[name], segments, plans[name].num_speculative_tokens) for name in names}
     for name in names:

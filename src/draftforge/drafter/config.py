@@ -11,6 +11,7 @@ row of the target's embedding table (the vocabulary is never resized).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
@@ -215,8 +216,43 @@ class DFlashConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# The export records a checksum of its config.json inside the file itself (vLLM and HF ignore the unknown
+# `draftforge` block, so the folder stays loadable as is): sha256 of the canonical JSON (sorted keys, no
+# whitespace) of every key but this one. Formatting changes keep it; any value change breaks it.
+CHECKSUM_KEY = "config_sha256"
+
+
+def config_checksum(hf: dict[str, Any]) -> str:
+    """The checksum of a drafter config.json's content, its own `draftforge.config_sha256` left out."""
+    content = dict(hf)
+    if isinstance(content.get("draftforge"), dict):
+        meta = {k: v for k, v in content["draftforge"].items() if k != CHECKSUM_KEY}
+        content.pop("draftforge")
+        if meta:  # a block that held only the checksum was absent when it was computed
+            content["draftforge"] = meta
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_config_checksum(hf: dict[str, Any], cfg_path: Path) -> None:
+    """Refuse a config.json edited after export (block_size, taps, ... no longer what the weights were trained
+    with). A config without a recorded checksum (exported elsewhere, or by draftforge before checksums) is
+    used as is: nothing records what it said at export."""
+    meta = hf.get("draftforge") if isinstance(hf.get("draftforge"), dict) else {}
+    recorded = meta.get(CHECKSUM_KEY)
+    if recorded is None:
+        if meta:
+            log.warning("%s: no draftforge.%s (exported before config checksums): edits to it cannot be detected; "
+                        "rerun train to re-export it", cfg_path, CHECKSUM_KEY)
+        return
+    if str(recorded) != config_checksum(hf):
+        raise StageError(f"{cfg_path}: edited after export (its content no longer matches draftforge.{CHECKSUM_KEY}, "
+                         "so it may not describe the trained weights); restore it, or retrain / re-export the drafter "
+                         "(snakemake --forcerun train) to change its config")
+
+
 def read_exported_config(directory: str | Path) -> DFlashConfig:
-    """The config of an exported drafter folder (config.json + model.safetensors), with clear errors."""
+    """The config of an exported drafter folder (config.json + model.safetensors), with clear errors; a
+    config.json edited after export is refused (check_config_checksum)."""
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file() or not (directory / "model.safetensors").is_file():
@@ -225,6 +261,9 @@ def read_exported_config(directory: str | Path) -> DFlashConfig:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise StageError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise StageError(f"{cfg_path}: not a JSON object; restore it, or rerun train to re-export the drafter")
+    check_config_checksum(hf, cfg_path)
     archs = hf.get("architectures")
     # The drafter type owning this export format (drafter/registry.py) names its config class; a folder of no
     # registered format is read as DFlash, whose from_hf_dict names the architecture it expected.
@@ -241,6 +280,9 @@ def check_drafter_target(directory: str | Path, target_info: dict[str, Any]) -> 
         hf = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StageError(f"{cfg_path}: unreadable drafter config ({exc})") from None
+    if not isinstance(hf, dict):
+        raise StageError(f"{cfg_path}: not a JSON object; restore it, or rerun train to re-export the drafter")
+    check_config_checksum(hf, cfg_path)  # an edited fingerprint is an edit like any other
     meta = hf.get("draftforge") if isinstance(hf.get("draftforge"), dict) else {}
     recorded, want = meta.get("target_fingerprint"), str(target_info.get("fingerprint"))
     if recorded is None:

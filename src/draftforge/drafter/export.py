@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from draftforge.drafter.config import DFlashConfig, read_exported_config
+from draftforge.drafter.config import CHECKSUM_KEY, DFlashConfig, config_checksum, read_exported_config
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.drafter.registry import exported_type, model_class
 from draftforge.errors import StageError
@@ -98,7 +98,8 @@ def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str =
 
 
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
-    """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once)."""
+    """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once); config.json
+    records its own checksum (drafter.config.config_checksum), which every reader of the export verifies."""
     tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
     cfg = cfg.as_exported(str(out_dir))  # a rank-0 DSpark drafter exports as DFlash
     check_keys(tensors, cfg, where=str(out_dir))
@@ -107,6 +108,8 @@ def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path,
     hf.update(extra_config or {})
     if "eagle_config" in hf:
         raise StageError(f"{out_dir}: config.json must not carry an eagle_config (vLLM would read it as EAGLE)")
+    hf = json.loads(json.dumps(hf))  # the checksum is of exactly what a reader will parse
+    hf["draftforge"] = {**(hf.get("draftforge") or {}), CHECKSUM_KEY: config_checksum(hf)}
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -6,15 +6,18 @@ Outputs: `<dataset>.json` (rows + per-response records) per dataset, then the ma
 interruption reuses the datasets that finished with the same inputs (evaluate/resume.py).
 One MLflow run per (dataset, method, budget, temperature), tagged method/dataset/budget/engine (tree
 methods: auto_budget / best_budget). Timing: evaluate.repeats interleaved passes (runner.run_dataset), rows
-report medians with min/max; calibration prompts choose the auto budget (evaluate/budget.py).
+report medians with min/max; calibration prompts choose the auto budget (evaluate/budget.py). Engine loading
+and every timed pass hold the machine-wide timing lock (draftforge/timing_lock.py).
 CPU by default; with evaluate.gpus = N under torchrun each rank holds one model copy on its GPU,
 takes every N-th prompt, and rank 0 merges the records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -201,8 +204,26 @@ def main(ctx) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
     sets, calib = eval_and_calibration_sets(cfg)
-    es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
+    with machine_timing(ctx):  # engine capture runs GPU kernels too: the lock covers it
+        es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
+        all_rows, files = run_datasets(ctx, cfg, es, plan, info, sets, calib, device, dtype, mode, mismatch)
+    if ctx.is_rank0:
+        write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
+            "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
+            RECORD_KEY: mode.kwargs, "chat_mode_mismatch": mismatch,
+            "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
+            "note": BEST_NOTE, "rows": all_rows,
+        })  # fmt: skip
+        clear_finished(ctx)
+    if ctx.world_size > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
+
+def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, Any], sets, calib, device,
+                 dtype, mode: ChatMode, mismatch: str | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Time every dataset (a dataset finished by an interrupted run with the same inputs is reused); rank 0
+    writes each dataset's file and logs its rows. Returns (all rows, dataset → file) on rank 0."""
     all_rows: list[dict[str, Any]] = []
     files = {}
     upstream = [p for p in (ctx.input_marker("target"), ctx.input_dir("train") / STAGE_MARKERS["train"]) if p.is_file()]
@@ -249,17 +270,21 @@ def main(ctx) -> None:
             if row["repeat_mismatches"]:
                 log.warning("%s %s@%s: %d responses of later repeats differ from the first repeat's tokens", dataset,
                             row["method"], row["budget"], row["repeat_mismatches"])
-    if ctx.is_rank0:
-        write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
-            "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
-            RECORD_KEY: mode.kwargs, "chat_mode_mismatch": mismatch,
-            "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
-            "note": BEST_NOTE, "rows": all_rows,
-        })  # fmt: skip
-        clear_finished(ctx)
-    if ctx.world_size > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    return all_rows, files
+
+
+@contextlib.contextmanager
+def machine_timing(ctx) -> Iterator[None]:
+    """The machine-wide timing lock (draftforge/timing_lock.py) around evaluate's timed part: rank 0 holds it,
+    the other ranks start at the barrier once it does (they wait there, within the process group's timeout)."""
+    from draftforge.timing_lock import hold_timing_lock
+
+    held = (hold_timing_lock(ctx.cfg.timing_lock, experiment=ctx.experiment, stage=ctx.stage, branch=ctx.drafter)
+            if ctx.is_rank0 else contextlib.nullcontext())
+    with held:
+        if ctx.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+        yield
 
 
 def log_rows(ctx, rows: list[dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ from draftforge.report.rows import (
     vs_mtp,
     with_spread,
 )
+from draftforge.stages import PER_DRAFTER, STAGES
 from draftforge.tracking import experiment_name, mlflow_run
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def mlflow_links(results_root: Path, experiment: str, base_url: str) -> list[str]:
-    """One markdown link per MLflow run of this experiment (stage, method, dataset)."""
+def mlflow_links(results_root: Path, experiment: str, base_url: str, branches: list[str]) -> list[str]:
+    """Markdown links to the FINISHED MLflow runs behind this report: per (stage, branch) of the current config
+    (a once-stage has the branch ""; `branches` are the experiment's listed drafters, so a removed branch's runs
+    are left out), the runs of its latest FINISHED run's config (`config_hash` tag), one per run name (the
+    latest). Reruns with the same config never repeat a link; a resumed evaluate (its datasets logged by two
+    processes) keeps all of its rows; runs of an older config of that stage are left out. The report's own
+    stage is left out: its run is the one in progress."""
     try:
         import mlflow
 
@@ -68,16 +74,46 @@ def mlflow_links(results_root: Path, experiment: str, base_url: str) -> list[str
         exp = mlflow.get_experiment_by_name(experiment_name(experiment))
         if exp is None:
             return []
-        runs = mlflow.search_runs(experiment_ids=[exp.experiment_id], order_by=["start_time ASC"])
+        runs = mlflow.search_runs(experiment_ids=[exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                                  order_by=["attributes.start_time DESC"], output_format="list")
     except Exception as exc:  # the report still renders without the store
         log.warning("MLflow store unreadable (%s); report has no run links", exc)
         return []
+    groups: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, branch) → its config hash and runs by name
+    for run in runs:  # newest first
+        tags = run.data.tags
+        stage, branch = tags.get("stage", ""), tags.get("drafter", "")
+        current = branch in branches if stage in PER_DRAFTER else branch == ""
+        if stage not in STAGES or stage == "report" or not current:
+            continue
+        group = groups.setdefault((stage, branch), {"config_hash": tags.get("config_hash"), "runs": {}})
+        name = run.info.run_name or run.info.run_id
+        if tags.get("config_hash") == group["config_hash"] and name not in group["runs"]:
+            group["runs"][name] = run
+    order = {name: i for i, name in enumerate(branches)}
     links = []
-    for _, run in runs.iterrows():
-        name = run.get("tags.mlflow.runName") or run["run_id"]
-        url = f"{base_url}/#/experiments/{exp.experiment_id}/runs/{run['run_id']}"
-        links.append(f"- [{name}]({url}) — stage `{run.get('tags.stage')}`, status {run['status']}")
+    for stage, branch in sorted(groups, key=lambda k: (STAGES.index(k[0]), order.get(k[1], -1))):
+        for run in sorted(groups[stage, branch]["runs"].values(), key=lambda r: r.info.start_time):
+            url = f"{base_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+            where = f"stage `{stage}`" + (f", branch `{branch}`" if branch else "")
+            links.append(f"- [{run.info.run_name or run.info.run_id}]({url}) — {where}")
     return links
+
+
+# The plot files the report writes into its folder (training curves: one per branch). The folder is the
+# report's own, so a plot it did not write this time (a removed branch, plots switched off) is stale.
+PLOT_FILES = ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png")
+
+
+def remove_stale_plots(out_dir: Path, figures: dict[str, Path]) -> list[Path]:
+    """Delete the report's plot files that this run did not write; returns them."""
+    keep = {p.name for p in figures.values()}
+    stale = [p for p in sorted(out_dir.glob("*.png"))
+             if p.name not in keep and (p.name in PLOT_FILES or p.name.startswith("training_curve_"))]
+    for path in stale:
+        path.unlink()
+        log.info("report: removed %s (not a plot of this report: its branch is no longer listed, or plots are off)", path)
+    return stale
 
 
 def training_history(metrics: dict[str, Any]) -> list[dict[str, Any]]:
@@ -199,6 +235,7 @@ def build_report(ctx) -> dict[str, Any]:
             history = training_history(t)
             if history:
                 figures[f"training_{name}"] = plots.training_curve(history, ctx.out_dir / f"training_curve_{name}.png")
+    remove_stale_plots(ctx.out_dir, figures)
     choices = budget_choices(rows)
     repeats = max((int(r.get("repeats") or 1) for r in rows if r["engine"] == "draftforge"), default=1)
     tol = float(ctx.cfg.report.parity_tolerance)
@@ -207,7 +244,7 @@ def build_report(ctx) -> dict[str, Any]:
     for name, block in parity.items():
         parity_lines += [f"### {name}: vLLM `{block['method']}` vs the standalone `{block['method']}` chain", *parity_text(block), ""]
     mtp_table = vs_mtp(rows)
-    links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"))
+    links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"), list(drafters))
     text = "\n".join([
         f"# draftforge report — experiment `{ctx.experiment}`",
         "",
