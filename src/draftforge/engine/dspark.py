@@ -136,10 +136,11 @@ def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int) -> Tree
     tree = Tree(tokens=[bonus], parents=[-1], depths=[0], scores=[0.0])
     if budget <= 0 or depth_max == 0:
         return tree
-    toks, scores = torch.tensor([bonus]), torch.zeros(1)  # (n,) the frontier: tokens and path scores
-    parents = torch.tensor([-1])  # (n,) the frontier's index in `found` (-1: the root)
+    dev = base.device
+    toks, scores = torch.tensor([bonus], device=dev), torch.zeros(1, device=dev)  # (n,) the frontier: tokens, path scores
+    parents = torch.tensor([-1], device=dev)  # (n,) the frontier's index in `found` (-1: the root)
     found: list[tuple[torch.Tensor, ...]] = []  # per depth: (scores, tokens, parent ids, depth)
-    best = torch.empty(0)  # (≤ budget,) the best scores found so far
+    best = torch.empty(0, device=dev)  # (≤ budget,) the best scores found so far
     offset = 0
     for d in range(depth_max):
         logits = base[d].float().expand(len(toks), V) + bias(toks)  # (n, V)
@@ -149,10 +150,10 @@ def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int) -> Tree
         keep = cand >= best[-1] if len(best) == budget else torch.ones_like(cand, dtype=torch.bool)
         if not bool(keep.any()):
             break
-        rows = torch.arange(len(toks)).repeat_interleave(k)[keep]  # (m,) the parent of each kept candidate
+        rows = torch.arange(len(toks), device=dev).repeat_interleave(k)[keep]  # (m,) the parent of each kept candidate
         toks, scores = idx.flatten()[keep], cand[keep]
-        found.append((scores, toks, parents[rows], torch.full((len(toks),), d + 1)))
-        parents = torch.arange(offset, offset + len(toks))
+        found.append((scores, toks, parents[rows], torch.full((len(toks),), d + 1, device=dev)))
+        parents = torch.arange(offset, offset + len(toks), device=dev)
         offset += len(toks)
     all_scores, all_toks, all_parents, all_depths = (torch.cat(x).tolist() for x in zip(*found))
     order = sorted(range(len(all_scores)), key=lambda i: (-all_scores[i], all_depths[i]))[:budget]
