@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.drafter.mtp_format import HEAD_CONFIG, MTP_TARGET_OVERRIDES, TRAINED_DEFAULT_DRAFTS  # noqa: F401
+from draftforge.drafter.rope import rotary_tables
 
 FORMS = ("mimo", "qwen3_5")
 # model_type → (transformers package, decoder layer, RMSNorm, rotary embedding)
@@ -108,7 +109,7 @@ class MTPHead(nn.Module):
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (S, n) → cos, sin (S, 1, n, rot)."""
-        cos, sin = self.rotary(like, positions)
+        cos, sin = rotary_tables(self.rotary, like, positions)
         return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
 
     def inputs(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

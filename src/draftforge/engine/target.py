@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from draftforge.drafter.rope import rotary_tables
 from draftforge.engine import gdn, split_attention
 from draftforge.engine.blocks import FusedLayer, attend, fold_mask
 from draftforge.engine.span import Span
@@ -137,10 +138,7 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
 def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions (n,) → cos, sin (1, 1, n, rot) from the HF rotary module (handles scaling, partial rotary)."""
     probe = torch.empty(1, device=tm.device, dtype=tm.dtype)
-    pos = positions[None]  # (1, n)
-    if hasattr(tm.rotary, "mrope_section"):  # Qwen3.5 text: multimodal rope over (3, 1, n), text = 3 equal rows
-        pos = pos[None].expand(3, 1, -1)  # (older transformers do not expand a (1, n) input themselves)
-    cos, sin = tm.rotary(probe, pos)  # (1, n, rot)
+    cos, sin = rotary_tables(tm.rotary, probe, positions[None])  # (1, n, rot)
     return cos[:, None], sin[:, None]
 
 
