@@ -17,11 +17,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftforge.engine import generate_ar, generate_ddtree, generate_dflash  # noqa: E402
+from draftforge.engine import CapturedEngine, generate, generate_ar, generate_ddtree, generate_dflash, make_method  # noqa: E402
+from draftforge.engine.graph import verify_buckets  # noqa: E402
 from engine_fixtures import (  # noqa: E402
     one_thread,  # noqa: F401  (autouse fixture)
     prompt,
     tiny_drafter,
+    tiny_dspark_drafter,
     tiny_target,
 )
 
@@ -33,10 +35,14 @@ BLOCK = 6
 class OracleDrafter:
     """The drafter API the engine uses (cfg, fc, layers, project_context, draft) with a perfect drafter behind
     it: block slot k at position start+k gets a hidden state whose LM-head argmax is the target's own greedy
-    token at that position (`sequence` = prompt + greedy continuation)."""
+    token at the position it was trained to predict, start + k + cfg.pred_offset (DFlash's fill-in block: the
+    slot's own position; DSpark's default block: the next one). `sequence` = prompt + greedy continuation. A
+    DSpark drafter's Markov head is kept (its bias is small beside the oracle's margin)."""
 
     def __init__(self, real_drafter, tm, sequence: list[int]) -> None:
         self.cfg, self.fc, self.layers = real_drafter.cfg, real_drafter.fc, real_drafter.layers
+        self.markov_head = getattr(real_drafter, "markov_head", None)
+        self.offset = real_drafter.cfg.pred_offset
         self.seq = sequence
         self.W = tm.hf.get_output_embeddings().weight.detach().float()
         self._rows: dict[int, torch.Tensor] = {}
@@ -58,9 +64,11 @@ class OracleDrafter:
 
     def draft(self, block_embeds, block_pos, ctx_feats, ctx_pos, kv, kv_len, blocks=None, fused=None):
         start = int(block_pos[0])
-        assert ctx_pos.numel() == 0 or int(ctx_pos[-1]) == start - 1, "context positions are not contiguous"
-        B = block_embeds.shape[1]
-        rows = [self._row(self.seq[start + k]) if start + k < len(self.seq) else torch.zeros_like(self.W[0]) for k in range(B)]
+        static = kv_len > start + block_embeds.shape[1]  # a captured engine's padded pass (new context rows padded)
+        assert static or ctx_pos.numel() == 0 or int(ctx_pos[-1]) == start - 1, "context positions are not contiguous"
+        B, off = block_embeds.shape[1], self.offset
+        rows = [self._row(self.seq[start + k + off]) if start + k + off < len(self.seq) else torch.zeros_like(self.W[0])
+                for k in range(B)]
         return torch.stack(rows)[None].to(block_embeds.dtype)
 
 
@@ -82,6 +90,31 @@ def test_oracle_drafter_accepts_the_whole_block_every_round(method, budget):
     assert res.tokens == oracle.seq[len(ids) : len(ids) + n_new]  # lossless, as always
     assert len(res.accept_lengths) >= 5
     assert res.accept_lengths == [BLOCK] * len(res.accept_lengths), res.accept_lengths  # bonus + B-1 drafts, every round
+
+
+@pytest.mark.parametrize("bonus_anchor", [False, True], ids=["dspark_block", "fill_in_block"])
+def test_oracle_dspark_drafter_accepts_every_draft_of_its_block(bonus_anchor):
+    """A perfect DSpark drafter: every method reading its block (the Markov chain, the Markov tree with a budget of
+    exactly one spine and a larger one, and the marginal chain / tree) accepts all n_draft drafts every round,
+    τ = n_draft + 1 (B + 1 with DSpark's default block, where slot 0 already drafts). The engine must read the
+    drafter's own predicting slots (first_slot..) and the tree must reach the deepest drafted depth; a draft read
+    one slot late, or a tree one depth short, still decodes losslessly but loses τ. Eager and captured engines."""
+    tm = tiny_target(seed=3, taps=(0, 2))
+    real = tiny_dspark_drafter(tm, seed=1, block=BLOCK, bonus_anchor=bonus_anchor)
+    n_draft = real.cfg.n_draft
+    assert n_draft == (BLOCK - 1 if bonus_anchor else BLOCK)
+    ids = prompt(tm.vocab_size, 9, seed=2)
+    n_new = 4 * (n_draft + 1) + 2
+    oracle = OracleDrafter(real, tm, _greedy(tm, ids, n_new + 2 * BLOCK))
+    plan = [("dspark", None), ("ddtree_markov", n_draft), ("ddtree_markov", 24), ("dflash", None), ("ddtree", n_draft)]
+    eng = CapturedEngine(tm, 128, verify_buckets(make_method(m, tm, oracle, b).verify_size for m, b in plan), drafter=oracle)
+    for name, budget in plan:
+        for engine in (None, eng):
+            res = generate(tm, make_method(name, tm, oracle, budget), ids, n_new, engine=engine)
+            where = (name, budget, "captured" if engine else "eager")
+            assert res.tokens == oracle.seq[len(ids) : len(ids) + n_new], where  # lossless, as always
+            assert len(res.accept_lengths) >= 4, where
+            assert res.accept_lengths == [n_draft + 1] * len(res.accept_lengths), (where, res.accept_lengths)
 
 
 class RecordingDrafter:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -109,3 +111,98 @@ def test_analytic_tau_and_calibration():
     assert m["analytic_tau"] == pytest.approx(((1 + 0.5 + 0.25 + 0.25) + (1 + 1 + 0.2)) / 2)
     assert m["analytic_accept_0"] == pytest.approx(0.75)
     assert m["conf_ece"] == pytest.approx((0.05 + 0.05 + 0.05 + 0.05 + 0.05) / 5)
+
+
+# ---------------------------------------------------------------- the objective pinned against a hand computation
+# A tiny hand-built world (one sequence of 9 tokens, vocabulary 5, width 3, blocks of 3 at anchors 1 and 6): the
+# objective `train.loop.dist_block_losses` computes equals the module docstring's formula evaluated below with
+# plain torch ops, row by row. What a lossless engine cannot see is pinned here: which target position p_t is read
+# (the state at p - 1 for a row predicting p) and how the position decay and acceptance weighting combine.
+_IDS = [4, 0, 2, 1, 3, 0, 4, 2, 1]
+_ANCHORS = [1, 6]
+_B, _V, _H, _GAMMA = 3, 5, 3, 2.0
+
+
+def _hand_world():
+    g = torch.Generator().manual_seed(11)
+    lm_head = torch.randn(_V, _H, generator=g, dtype=torch.float64)
+    last = torch.randn(len(_IDS), _H, generator=g, dtype=torch.float64) * 2.0  # the target's state per position
+    h = torch.randn(1, len(_ANCHORS) * _B, _H, generator=g, dtype=torch.float64)  # drafter output per block slot
+    return lm_head, last, h
+
+
+def _loop_objective(first_slot: int, pred_offset: int, weights: dict, acceptance_weighting: bool = False):
+    from types import SimpleNamespace
+
+    from draftforge.train.data import collate
+    from draftforge.train.loop import Objective, dist_block_losses
+    from draftforge.train.loss import slot_weights
+
+    lm_head, last, h = _hand_world()
+    T = len(_IDS)
+    item = (torch.tensor(_IDS), torch.ones(T, dtype=torch.uint8), torch.zeros(T, 2), last)
+    batch = collate([item], [torch.tensor(_ANCHORS)], _B, mask_token_id=0, feat_dtype=torch.float64,
+                    first_slot=first_slot, pred_offset=pred_offset)
+    model = SimpleNamespace(cfg=SimpleNamespace(first_slot=first_slot, pred_offset=pred_offset))  # a plain (non-DSpark) drafter
+    head = SimpleNamespace(lm_head=lm_head)
+    obj = Objective(dict(weights), chunk=1000, acceptance_weighting=acceptance_weighting)
+    return dist_block_losses(model, h, head, batch, slot_weights(_B, _GAMMA, first_slot).double(), obj)
+
+
+def _hand_rows(first_slot: int, pred_offset: int):
+    """Per supervised row, by hand: (block, draft index k, ce, kl, tv) with p = anchor + slot + pred_offset,
+    q = softmax(lm_head · h_slot), p_t = softmax(lm_head · last[p - 1])."""
+    lm_head, last, h = _hand_world()
+    rows = []
+    for n, a in enumerate(_ANCHORS):
+        for slot in range(first_slot, _B):
+            p = a + slot + pred_offset
+            if p >= len(_IDS):
+                continue
+            z = lm_head @ h[0, n * _B + slot]
+            t = lm_head @ last[p - 1]
+            q = torch.exp(z) / torch.exp(z).sum()
+            pt = torch.exp(t) / torch.exp(t).sum()
+            ce = -torch.log(q[_IDS[p]])
+            kl = (pt * (torch.log(pt) - torch.log(q))).sum()
+            tv = 0.5 * (q - pt).abs().sum()
+            rows.append((n, slot - first_slot, float(ce), float(kl), float(tv)))
+    return rows
+
+
+@pytest.mark.parametrize("first_slot,pred_offset", [(0, 1), (1, 0)], ids=["dspark_block", "fill_in_block"])
+def test_objective_reads_the_target_distribution_before_the_predicted_position(first_slot, pred_offset):
+    """λ_ce·CE + λ_kl·KL + λ_tv·TV with decay exp(-k/γ), normalised: equal to the hand value (p_t from the target's
+    state at p - 1; a one-position shift changes KL and TV and fails this)."""
+    lam = {"ce": 0.3, "kl": 0.7, "tv": 1.8}
+    out = _loop_objective(first_slot, pred_offset, lam)
+    rows = _hand_rows(first_slot, pred_offset)
+    assert len(rows) == int(out.valid.sum()) == (5 if first_slot == 0 else 4)  # anchor 6's slot 2 would predict 9: outside
+    num = den = 0.0
+    for _, k, ce, kl, tv in rows:
+        w = math.exp(-k / _GAMMA)
+        num += w * (lam["ce"] * ce + lam["kl"] * kl + lam["tv"] * tv)
+        den += w
+    assert float(out.weight_sum) == pytest.approx(den, rel=1e-6)
+    assert float(out.weighted_ce_sum) / float(out.weight_sum) == pytest.approx(num / den, rel=1e-5)
+    terms = out.extra.terms.double()  # (rows, [ce, kl, tv]) in row order
+    want = torch.tensor([[ce, kl, tv] for _, _, ce, kl, tv in rows], dtype=torch.float64)
+    assert torch.allclose(terms, want, atol=1e-5), (terms, want)
+
+
+@pytest.mark.parametrize("first_slot,pred_offset", [(0, 1), (1, 0)], ids=["dspark_block", "fill_in_block"])
+def test_acceptance_weighting_multiplies_the_position_decay(first_slot, pred_offset):
+    """Each row's weight = exp(-k/γ) × Π_{j<k} (1 - tv_j) of its block, by hand (decay × reach, not reach alone)."""
+    lam = {"ce": 1.0}
+    out = _loop_objective(first_slot, pred_offset, lam, acceptance_weighting=True)
+    rows = _hand_rows(first_slot, pred_offset)
+    reach: dict[int, float] = {}
+    num = den = 0.0
+    for n, k, ce, _, tv in rows:
+        r = reach.get(n, 1.0)
+        w = math.exp(-k / _GAMMA) * r
+        reach[n] = r * (1.0 - tv)
+        num += w * ce
+        den += w
+    assert float(out.weight_sum) == pytest.approx(den, rel=1e-6)
+    assert float(out.weighted_ce_sum) == pytest.approx(num, rel=1e-5)

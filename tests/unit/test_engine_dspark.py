@@ -97,6 +97,27 @@ def test_markov_tree_with_zero_bias_is_ddtree_and_children_follow_their_parent()
     assert len(tree) == 31 and all(tree.parents[i] < i for i in range(1, 31))
 
 
+@pytest.mark.parametrize("markov", [False, True], ids=["zero_bias", "markov_bias"])
+def test_markov_tree_reaches_the_deepest_drafted_depth(markov):
+    """Every depth the drafter drafts is expandable: with one confident token per depth (a spine scoring ~0, the
+    rest far below) a budget of exactly D nodes is the whole spine, a chain down to depth D, and larger budgets
+    keep the tree's maximum depth at D (siblings fill the rest). The marginal tree (`build_tree`) likewise."""
+    D, V, bonus = 5, 11, 2
+    spine = [7, 1, 9, 4, 0]
+    base = torch.full((D, V), -12.0)
+    for d, tok in enumerate(spine):
+        base[d, tok] = 12.0
+        base[d, (tok + 3) % V] = 0.0  # a runner-up sibling per depth
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(V, V, generator=g) * 0.5
+    bias = (lambda prev: w[prev]) if markov else (lambda prev: 0)
+    for budget in (D, D + 3, 4 * D):
+        for tree in (build_markov_tree(bonus, base, bias, budget), build_tree(bonus, *draft_topk(base, min(budget, V)), budget)):
+            assert len(tree) == budget + 1 and max(tree.depths) == D, (budget, tree.depths)
+            if budget == D:
+                assert tree.tokens == [bonus, *spine] and tree.depths == list(range(D + 1)) and tree.is_chain
+
+
 def test_dflash_drafter_refuses_dspark_methods():
     tm = tiny_target(vocab=96, seed=0)
     d = tiny_drafter(tm)

@@ -16,7 +16,7 @@ from draftforge.engine.draft import DrafterContext  # noqa: E402
 from draftforge.engine.graph import BucketError, CapturedEngine, verify_buckets  # noqa: E402
 from draftforge.engine.span import chain_span  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
-from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
+from draftforge.engine.tree import build_tree, chain_tree, draft_topk  # noqa: E402
 from engine_fixtures import (  # noqa: E402
     drafter_kinds,
     one_thread,  # noqa: F401  (autouse fixture)
@@ -101,6 +101,93 @@ def test_padded_bucket_gives_the_real_nodes_the_same_outputs_and_state(arch):
     for x, y in zip(a, b):
         assert _rel(x, y) < 1e-5 if y.numel() else True
 
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_one_bucket_staging_a_chain_then_a_tree_then_the_chain_again(arch):
+    """A bucket caches the full chain's ancestor matrix and skips re-staging it while its flag says the device buffer
+    holds it; staging a tree (or a padded chain) in between must clear that flag. The same chain verified before and
+    after a tree in the same bucket gives the same logits, and the tree's equal a fresh engine's."""
+    hybrid = arch != "Qwen3ForCausalLM"
+    tm = (tiny_hybrid_target if hybrid else tiny_target)(arch, seed=4)
+    tree = _random_tree(7, seed=4, vocab=tm.vocab_size)
+    n = len(tree)
+    assert not tree.is_chain
+    chain = [tree.tokens[0]] + prompt(tm.vocab_size, n - 1, seed=9)
+    full = chain_tree(chain[0], chain[1:])
+    short = chain_tree(chain[0], chain[1:3])  # a chain padded into the bucket
+    p = torch.tensor([prompt(tm.vocab_size, 11, seed=4)])
+
+    def fresh(t):
+        eng = CapturedEngine(tm, 128, (n,))
+        eng.begin(SimpleNamespace(verify_size=n), 11, 40)
+        forward(tm, eng.state, chain_span(p, 0, tm.dtype, commit_all=True))
+        return eng, eng.verify(t)[0].clone()
+
+    eng, first = fresh(full)
+    for between in (tree, short):  # verifies stage without committing: the state stays the prompt's
+        got_between = eng.verify(between)[0].clone()
+        assert _rel(got_between, fresh(between)[1]) < 1e-5
+        again = eng.verify(full)[0].clone()
+        assert _rel(again, first) < 1e-5, between
+
+
+class ScriptedDrafter:
+    """A drafter (the API the engine uses) whose slot k at position start+k puts the target's own greedy token there
+    on top (`seq`: the prompt + AR continuation), so a DFlash chain (argmax) accepts its whole block every round;
+    slot `tie` has a near-tied runner-up and later slots are flat (every other token 1 logit lower), so DDTree's
+    best-first tree of B-1 nodes branches at depth `tie` instead of being a chain. The vocabulary is smaller than the
+    width, so each row's logits are set exactly (least squares through the LM head)."""
+
+    def __init__(self, real, tm, tie: int = 3) -> None:
+        self.cfg, self.fc, self.layers = real.cfg, real.fc, real.layers
+        self.W, self.tie, self.seq = tm.lm_head.weight.detach().float(), tie, []
+        assert self.W.shape[0] < self.W.shape[1]
+
+    def _row(self, token: int, k: int) -> torch.Tensor:
+        V = self.W.shape[0]
+        logits = torch.full((V,), 29.0 if k > self.tie else 0.0)
+        logits[token] = 30.0
+        if k == self.tie:
+            logits[(token + 1) % V] = 29.9
+        return torch.linalg.lstsq(self.W, logits[:, None]).solution[:, 0]
+
+    def draft(self, block_embeds, block_pos, ctx_feats, ctx_pos, kv, kv_len, blocks=None, fused=None):
+        start, B = int(block_pos[0]), block_embeds.shape[1]
+        return torch.stack([self._row(self.seq[start + k], k) for k in range(B)])[None].to(block_embeds.dtype)
+
+
+def test_static_engine_equals_eager_when_chains_and_trees_share_a_bucket():
+    """dflash (a chain of B) and ddtree with budget B-1 (trees of B nodes) verify in the same bucket: generations that
+    alternate between them through one captured engine equal the eager engine's in tokens and accept lengths. The
+    bucket really stages a branching tree between full chains, and every chain draft is accepted, so a chain verified
+    under a stale tree mask (a staging flag left set) would commit a wrong token or a shorter accept length."""
+    tm = tiny_target("Qwen3ForCausalLM", vocab=16, seed=3)
+    real = tiny_drafter(tm, seed=3)
+    B = real.cfg.block_size
+    plan = [("dflash", None), ("ddtree", B - 1), ("dflash", None), ("ddtree", B - 1), ("dflash", None)]
+    d = ScriptedDrafter(real, tm)
+    eng = CapturedEngine(tm, 192, verify_buckets([B]), drafter=d)
+    staged: list[bool] = []  # per verify in bucket B: was it a full chain?
+    fill = eng._fill
+
+    def recording_fill(b, tokens, parents, depths):
+        if b.n == B:
+            staged.append(len(tokens) == B and list(parents) == list(range(-1, B - 1)))
+        return fill(b, tokens, parents, depths)
+
+    eng._fill = recording_fill
+    for i, (name, b) in enumerate(plan):
+        p = prompt(tm.vocab_size, 9, seed=i)
+        ar = generate(tm, None, p, 24 + 2 * B).tokens
+        d.seq = p + ar  # this prompt's oracle continuation
+        eager = generate(tm, make_method(name, tm, d, b), p, 24)
+        static = generate(tm, make_method(name, tm, d, b), p, 24, engine=eng)
+        assert static.tokens == eager.tokens == ar[:24], (i, name)
+        assert static.accept_lengths == eager.accept_lengths, (i, name, static.accept_lengths, eager.accept_lengths)
+        if name == "dflash":
+            assert eager.accept_lengths == [B] * len(eager.accept_lengths), eager.accept_lengths
+    trees = [j for j, is_chain in enumerate(staged) if not is_chain]
+    assert trees and any(staged[:trees[0]]) and any(staged[trees[0] + 1 :]), staged  # chain(s), tree(s), chain(s)
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dspark"])

@@ -123,6 +123,32 @@ def test_calibration_prompts_disjoint_from_eval_prompts(caplog):
     assert all(not v for v in eval_and_calibration_sets(cfg)[1].values())
 
 
+
+def test_calibration_skips_prompts_whose_content_repeats_an_evaluation_or_earlier_calibration_prompt(tmp_path):
+    """A pool with duplicates by content: records that repeat an evaluation prompt (under another id, with extra
+    fields) and a calibration prompt repeated later are skipped, so calibration is disjoint from evaluation by
+    content, not only by index, and holds no prompt twice. Exact: the guard compares whole messages."""
+    pool = [{"id": 0, "question": "q0"}, {"id": 1, "question": "q1"}, {"id": 2, "question": "q2"},
+            {"id": 30, "question": "q0", "answer": "other id, same prompt"},  # index 3: repeats evaluation's q0
+            {"id": 4, "question": "q3"},  # index 4: calibration
+            {"id": 5, "question": "q3"},  # index 5: repeats calibration's q3
+            {"id": 6, "question": "q1"},  # index 6: repeats evaluation's q1
+            {"id": 7, "question": "q1 "},  # index 7: differs by a space: another prompt (no normalisation)
+            {"id": 8, "question": "q4"}]  # fmt: skip
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pool))
+    cfg = EvaluateConfig(datasets=["gsm8k"], dataset_files={"gsm8k": str(path)}, num_prompts=3, calibration_prompts=2)
+    evals, calib = eval_and_calibration_sets(cfg)
+    text = lambda msgs: msgs[0]["content"]  # noqa: E731
+    assert [text(p) for p in evals["gsm8k"]] == ["q0", "q1", "q2"]
+    assert [(i, text(p)) for i, p in calib["gsm8k"]] == [(4, "q3"), (7, "q1 ")]
+    cfg.calibration_prompts = 3
+    picked = eval_and_calibration_sets(cfg)[1]["gsm8k"]
+    assert [(i, text(p)) for i, p in picked] == [(4, "q3"), (7, "q1 "), (8, "q4")]
+    contents = [json.dumps(p, sort_keys=True) for _, p in picked]
+    assert len(set(contents)) == len(contents)
+    assert not set(contents) & {json.dumps(p, sort_keys=True) for p in evals["gsm8k"]}
+
 def _report_rows(with_auto: bool = True):
     rows = [{"dataset": "humaneval", "engine": "draftforge", "drafter": "dflash", "method": "ar", "budget": None, "temperature": 0.0,
              "tokens_per_s": 10.0, "tokens_per_s_min": 9.0, "tokens_per_s_max": 11.0, "speedup_vs_ar": 1.0,

@@ -52,3 +52,32 @@ def test_gsm_seed_ranges() -> None:
     assert holdout.gsm_symbolic_seed_range(ev) == range(ev.gsm_symbolic.seed, ev.gsm_symbolic.seed + ev.gsm_symbolic.size)
     assert holdout.seed_ranges_overlap(range(0, 10), range(9, 12))
     assert not holdout.seed_ranges_overlap(range(0, 10), range(10, 12))
+
+
+@pytest.mark.parametrize("per_10k", [2500, 40])
+def test_curate_holds_out_the_experiment_chitchat_fraction(tmp_path, per_10k: int) -> None:
+    """The composed experiment's evaluate.chitchat.holdout_per_10k (not the evaluate section's default) decides
+    which chitchat conversations curate's selection drops as eval_holdout: the count equals the hash-bucket count
+    computed here from the package's conversation ids. (Sampling ~nothing keeps the run to the hold-out check.)"""
+    import hashlib
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from draftforge.config import compose
+    from draftforge.curate.stage import build_selection, curate_config
+
+    assert per_10k != EvaluateConfig().chitchat.holdout_per_10k
+    cfg = compose("smoke", ["target=tiny-random", f"evaluate.chitchat.holdout_per_10k={per_10k}"])
+    cfg.curate = OmegaConf.merge(cfg.curate, {
+        "sources": [{"name": "chitchat", "kind": "chitchat", "sample": 1e-12, "options": {"max_turns": 3}}],
+        "max_rows": None, "decontam": {"enabled": False}, "filters": {"on_empty_source": "warn"},
+    })  # fmt: skip
+    _, stats = build_selection(tmp_path, cfg, curate_config(cfg), None, "fingerprint", False)
+    ids = json.loads((Path(importlib.util.find_spec("chitchat_dataset").origin).parent / "dataset.json").read_text())
+    want = sum(int(hashlib.sha256(i.encode()).hexdigest()[:8], 16) % 10000 < per_10k for i in ids)
+    assert 0 < want < len(ids)
+    src = stats["per_source"]["chitchat"]
+    assert src["in"] == len(ids) and src["dropped"]["eval_holdout"] == want, src

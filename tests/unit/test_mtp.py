@@ -184,6 +184,40 @@ def test_recursive_training_rows_match_engine_drafting():
                 torch.testing.assert_close(o[0, 0], outs[d - 1][i], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_engine_mtp_chain_drafts_at_the_positions_training_uses(hybrid):
+    """The engine's `mtp` method (MTPChain, not a re-statement of it) against training's `recursive_outputs` on the
+    same sequence: the head's output at every depth of a round equals training's depth-d output of row start-1
+    (whose teacher-forced tokens are the bonus and the engine's own drafts), so the drafts run at the positions
+    and with the inputs the head was trained on. A depth fed one position late still decodes losslessly."""
+    from draftforge.engine.methods import Features
+    from draftforge.train.mtp import MTPSeq, recursive_outputs
+
+    tm = tiny_hybrid_target(seed=6) if hybrid else tiny_target(seed=6)
+    head = random_head(tm, seed=6)
+    k = head.num_drafts = 4
+    ids = prompt(tm.vocab_size, 14, seed=6)
+    with torch.no_grad():
+        h = tm.hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]  # final-normed
+    for start in (5, 11):
+        m = make_method("mtp", tm, head)
+        m.begin(Features(None, h[None, :start], torch.tensor([ids[:start]])))
+        seen: list[torch.Tensor] = []
+        hook = head.final_norm.register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out.detach()[0, -1].clone()))
+        try:
+            drafts = m.draft(ids[start], start)
+        finally:
+            hook.remove()
+        assert len(seen) == k and len(drafts) == k
+        seq = torch.tensor(ids[: start + 1] + drafts[:-1])  # x_0..x_start (the bonus), then drafts 1..k-1
+        hidden = torch.cat([h[:start], torch.zeros(seq.numel() - start, h.shape[1])])  # rows >= start: unused by row start-1
+        with torch.no_grad():
+            outs = recursive_outputs(head, tm.embed.weight, MTPSeq(seq, torch.ones(seq.numel(), dtype=torch.bool), hidden), k)
+        for d in range(k):
+            torch.testing.assert_close(seen[d], outs[d][start - 1], atol=2e-5, rtol=1e-4, msg=f"start {start}, depth {d + 1}")
+            assert drafts[d] == int(tm.lm_head(outs[d][start - 1]).argmax()), (start, d + 1)
+
+
 def test_mtp_training_loss_decreases():
     """A trained head on a tiny target: training loss falls; simulated τ on seen sequences rises above 1."""
     from draftforge.train.config import TrainConfig
