@@ -53,6 +53,28 @@ def test_fingerprint_changes_with_weights(tmp_path: Path) -> None:
     assert resolve_target(cfg_a, tmp_path)["fingerprint"] == a["fingerprint"]  # cached, stable
 
 
+def test_fingerprint_ignores_the_writers_version_and_accepts_old_records(tmp_path: Path) -> None:
+    """The same weights saved by another transformers version (config.json differs only in the keys the writer
+    stamps) keep their fingerprint; a target.json written before those keys were left out still loads."""
+    import shutil
+
+    from draftforge.target.inspect import fingerprint
+
+    info = resolve_target(compose("smoke", ["target=tiny-random", "target.random.seed=5"]).target, tmp_path)
+    other = tmp_path / "other-writer"
+    shutil.copytree(info["hf_path"], other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(transformers_version="4.99.0", _name_or_path="/elsewhere")
+    (other / "config.json").write_text(json.dumps(config))
+    assert fingerprint(other) == info["fingerprint"]
+    config["hidden_act"] = "gelu"  # a real change still counts
+    (other / "config.json").write_text(json.dumps(config))
+    assert fingerprint(other) != info["fingerprint"]
+    legacy = {**info, "fingerprint": fingerprint(Path(info["hf_path"]), legacy=True)}
+    assert legacy["fingerprint"] != info["fingerprint"]
+    load_target_model(legacy)  # accepted: the same folder under the old rule
+
+
 def test_changed_weights_are_refused_at_load(tmp_path: Path) -> None:
     info = resolve_target(compose("smoke", ["target=tiny-random", "target.random.seed=7"]).target, tmp_path)
     info = {**info, "fingerprint": "0" * 64}

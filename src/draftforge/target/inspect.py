@@ -1,6 +1,6 @@
 """Describe an HF model folder without loading weights: shape facts, MTP/hybrid markers, fingerprint.
 
-Fingerprint = sha256 over config.json (canonical), the weight index (tensor name, dtype, shape from
+Fingerprint = sha256 over config.json (canonical, without the keys its writer stamps), the weight index (tensor name, dtype, shape from
 the safetensors headers) and, per weight file, its size and the hashes of its first/last 4 MiB; cheap
 on 60 GB checkpoints, yet different seeds or a re-quantized file change it.
 """
@@ -63,9 +63,19 @@ def weight_index(hf_dir: Path) -> dict[str, tuple[str, list[int]]]:
     return index
 
 
-def fingerprint(hf_dir: Path) -> str:
+# config.json keys the writer stamps, not the model: the same GGUF converted by transformers 5.17 and 5.19 gives
+# byte-identical weights and configs that differ only in transformers_version (docs/architecture.md).
+WRITER_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+def fingerprint(hf_dir: Path, legacy: bool = False) -> str:
+    """The folder's identity (module docstring); `legacy` also hashes the writer keys, as target.json files
+    written before they were left out did (check_fingerprint accepts both)."""
     digest = hashlib.sha256()
-    digest.update(json.dumps(read_config(hf_dir), sort_keys=True).encode())
+    config = read_config(hf_dir)
+    if not legacy:
+        config = {k: v for k, v in config.items() if k not in WRITER_KEYS}
+    digest.update(json.dumps(config, sort_keys=True).encode())
     digest.update(json.dumps(sorted(weight_index(hf_dir).items())).encode())
     for path in weight_files(hf_dir):
         size = path.stat().st_size

@@ -29,7 +29,7 @@ def check_fingerprint(info: dict[str, Any]) -> None:
     from draftforge.target.inspect import fingerprint
 
     now = fingerprint(Path(info["hf_path"]))
-    if now != info["fingerprint"]:
+    if now != info["fingerprint"] and fingerprint(Path(info["hf_path"]), legacy=True) != info["fingerprint"]:
         raise StageError(
             f"{info['hf_path']}: weights changed since target.json was written "
             f"(fingerprint {now[:12]} != {info['fingerprint'][:12]}); rerun the `target` stage"
