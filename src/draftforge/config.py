@@ -28,6 +28,7 @@ from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
+from draftforge.resources import ResourcesConfig
 from draftforge.stages import STAGE_BY_NAME, STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
 from draftforge.train.config import TrainConfig
@@ -56,6 +57,9 @@ class RootConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    # What each stage's job asks the scheduler for (threads, memory, wall time, partition): read by the
+    # Snakemake rules only, never by a stage (draftforge.resources; docs/cluster.md).
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
 ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
