@@ -110,6 +110,29 @@ def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:
     assert rerun(finished_copy, "target.drafter.n_taps=3") == set(STAGES)
 
 
+def test_scheduler_resources_change_no_stage(finished_copy: Path) -> None:
+    assert rerun(finished_copy, "resources.default.cpus=1", "resources.train.mem_mb=9000", "resources.report.runtime=5") == set()
+
+
+def rule_blocks(output: str) -> dict[str, str]:
+    """Each stage rule's block in a dry-run's output (its threads, resources, ...)."""
+    return {stage: re.search(rf"^(?:local)?rule {stage}:\n((?:    .*\n)+)", output, flags=re.M).group(1) for stage in STAGES}
+
+
+def test_rule_resources_come_from_the_config(tmp_path: Path) -> None:
+    plain = rule_blocks(dry_run(tmp_path, "experiment=smoke", extra=("--forceall",)))
+    for stage, block in plain.items():  # defaults: every core of the run (report: one), nothing else requested
+        assert ("threads: 2" in block) == (stage != "report"), block
+        assert not re.search(r"mem_mb=|runtime=|slurm_partition=", block), block
+    overrides = ["resources.default.cpus=1", "resources.default.mem_mb=3000", "resources.extract.runtime=30",
+                 "resources.train.cpus=2", "resources.train.partition=gpu"]  # fmt: skip
+    set_ = rule_blocks(dry_run(tmp_path, "experiment=smoke", f"overrides={overrides}".replace("'", '"'), extra=("--forceall",)))
+    assert "threads: 2" in set_["train"] and all("threads: 2" not in b for s, b in set_.items() if s != "train")
+    assert all("mem_mb=3000" in b for b in set_.values())
+    assert [s for s, b in set_.items() if "runtime=30" in b] == ["extract"]
+    assert [s for s, b in set_.items() if "slurm_partition=gpu" in b] == ["train"]
+
+
 def test_every_stage_reads_what_the_table_declares() -> None:
     output = dry_run(Path("/nonexistent-results"), "experiment=smoke", extra=("--forceall",))
     for stage in STAGE_TABLE:

@@ -1,8 +1,10 @@
 # Shared by every rule: the composed config, paths, and the command that launches a stage.
 import shlex
+from snakemake.exceptions import WorkflowError
 from draftforge.config import branch_overrides, stage_overrides
 from draftforge.drafter.registry import ignored_keys
 from draftforge.paths import stage_dir, stage_marker
+from draftforge.resources import stage_resources
 from draftforge.stages import PER_DRAFTER, STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
@@ -56,6 +58,30 @@ def params_of(stage, drafter=None):
 def gpus(stage):
     """GPUs the stage's config asks for (its `gpus` key; stages without one run on CPU)."""
     return int(CFG[stage].get("gpus", 0)) if stage in CFG else 0
+
+
+def stage_threads(stage):
+    """The stage's threads: `resources.<stage>.cpus` (or `resources.default.cpus`) when set, else every core the
+    run offers (`--cores`; report: 1). A cluster run has no `--cores`, so there a stage without cpus fails here,
+    at parse time, naming the key (docs/cluster.md)."""
+    cpus = stage_resources(CFG.resources, stage.name).cpus
+    if cpus > 0:
+        return cpus
+    if not stage.all_cores:
+        return 1
+    try:
+        return workflow.cores
+    except WorkflowError:
+        raise WorkflowError(f"rule {stage.name}: a cluster run has no --cores; set resources.default.cpus or "
+                            f"resources.{stage.name}.cpus (docs/cluster.md)") from None
+
+
+def scheduler_resources(stage):
+    """The rule's `mem_mb`, `runtime` (minutes) and `slurm_partition` from `resources.<stage>`; each only when set,
+    so an unset one leaves the profile's default-resources (and a local run) as they were."""
+    res = stage_resources(CFG.resources, stage)
+    out = {"mem_mb": res.mem_mb, "runtime": res.runtime, "slurm_partition": res.partition}
+    return {key: value for key, value in out.items() if value}
 
 
 def nprocs(stage):

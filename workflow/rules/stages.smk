@@ -5,6 +5,8 @@
 # extract and train keep finished shards / checkpoints in results/<exp>/.work/<stage>[/<drafter>] (never a
 # declared output), so a failed or interrupted job resumes. timing=1: evaluate and baselines measure
 # speed, so they never share the machine with each other (nor with another branch's).
+# Threads, memory, wall time and partition come from the config's `resources` section (draftforge.resources),
+# GPUs from the stage's own `gpus`: the profile sets none of them per rule (docs/cluster.md).
 
 wildcard_constraints:
     drafter="|".join(re.escape(d) for d in DRAFTERS),
@@ -34,9 +36,10 @@ for _stage in STAGE_TABLE:
             stage_log(_stage.name, "{drafter}" if _stage.per_drafter else None),
         benchmark:
             stage_benchmark(_stage.name, "{drafter}" if _stage.per_drafter else None)
-        threads: workflow.cores if _stage.all_cores else 1
+        threads: stage_threads(_stage)
         resources:
             gpu=gpus(_stage.name),
             timing=int(_stage.timing),
+            **scheduler_resources(_stage.name),
         shell:
             STAGE_SHELL
