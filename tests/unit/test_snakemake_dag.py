@@ -133,6 +133,15 @@ def test_rule_resources_come_from_the_config(tmp_path: Path) -> None:
     assert [s for s, b in set_.items() if "slurm_partition=gpu" in b] == ["train"]
 
 
+def test_a_cluster_run_without_cpus_fails_at_parse_naming_the_key(tmp_path: Path) -> None:
+    """The slurm profile's runs have no --cores: a stage's threads must come from the config (nothing submitted)."""
+    cmd = [SNAKEMAKE, "--workflow-profile", "profiles/slurm", "--config", "experiment=smoke", f"results_root={tmp_path}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ})
+    assert result.returncode != 0
+    assert "rule target: a cluster run has no --cores; set resources.default.cpus" in result.stdout + result.stderr
+    assert "submitted" not in result.stdout + result.stderr
+
+
 def test_every_stage_reads_what_the_table_declares() -> None:
     output = dry_run(Path("/nonexistent-results"), "experiment=smoke", extra=("--forceall",))
     for stage in STAGE_TABLE:
