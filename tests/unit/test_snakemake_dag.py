@@ -133,6 +133,20 @@ def test_rule_resources_come_from_the_config(tmp_path: Path) -> None:
     assert [s for s, b in set_.items() if "slurm_partition=gpu" in b] == ["train"]
 
 
+def test_extract_fans_out_into_part_jobs_and_a_merge(tmp_path: Path) -> None:
+    output = dry_run(tmp_path, "experiment=smoke", 'overrides=["extract.jobs=3","extract.gpus=2"]', extra=("-p",))
+    jobs = planned_jobs(output)
+    assert jobs["extract_part"] == 3 and jobs["extract"] == 1
+    extract = [line for line in output.splitlines() if "-m draftforge.extract" in line]
+    parts = sorted(int(m.group(1)) for c in extract if (m := re.search(r"extract\.part=(\d+)", c)))
+    assert parts == [0, 1, 2]
+    assert all("--nproc_per_node 2" in c for c in extract if "extract.part=" in c)  # a part: the stage's GPUs
+    merge = [c for c in extract if "extract.part=" not in c]
+    assert len(merge) == 1 and "torch.distributed" not in merge[0]  # the merge: one process, no GPU
+    train = next(line for line in output.splitlines() if "-m draftforge.train" in line)
+    assert "extract.jobs" not in train  # the shards train reads are the same for any number of parts
+
+
 def test_a_cluster_run_without_cpus_fails_at_parse_naming_the_key(tmp_path: Path) -> None:
     """The slurm profile's runs have no --cores: a stage's threads must come from the config (nothing submitted)."""
     cmd = [SNAKEMAKE, "--workflow-profile", "profiles/slurm", "--config", "experiment=smoke", f"results_root={tmp_path}"]

@@ -3,9 +3,10 @@ import shlex
 from snakemake.exceptions import WorkflowError
 from draftforge.config import branch_overrides, stage_overrides
 from draftforge.drafter.registry import ignored_keys
+from draftforge.extract.parts import part_marker
 from draftforge.paths import stage_dir, stage_marker
 from draftforge.resources import stage_resources
-from draftforge.stages import PER_DRAFTER, STAGE_TABLE, stage_inputs
+from draftforge.stages import PER_DRAFTER, STAGE_BY_NAME, STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []
@@ -27,6 +28,22 @@ def cfg_of(drafter=None):
 def marker(stage, drafter=None):
     """The stage's marker; a per-drafter stage's with drafter=None is the wildcard pattern."""
     return str(stage_marker(RESULTS, EXPERIMENT, stage, (drafter or "{drafter}") if stage in PER_DRAFTER else None))
+
+
+# extract.jobs = K > 1: K extract_part jobs (part k: the k-th contiguous range of the plan's shards), then the
+# `extract` job merges their done shards into index.json, as one CPU process (draftforge.extract.parts).
+EXTRACT_JOBS = int(CFG.extract.jobs)
+
+
+def merges(stage):
+    """The stage's own job only merges what its part jobs computed (extract with extract.jobs > 1)."""
+    return stage == "extract" and EXTRACT_JOBS > 1
+
+
+def rule_inputs(stage, drafter=None):
+    """Upstream markers, and for a merging extract its parts' markers."""
+    parts = [str(part_marker(RESULTS, EXPERIMENT, k)) for k in range(EXTRACT_JOBS)] if merges(stage) else []
+    return upstream_markers(stage, drafter) + parts
 
 
 def upstream_markers(stage, drafter=None):
@@ -90,16 +107,27 @@ def nprocs(stage):
     return n_gpus if n_gpus > 0 else max(1, int(CFG[stage].get("cpu_procs", 1)) if stage in CFG else 1)
 
 
-def stage_cmd(stage, drafter=None):
-    """Shell command running one stage (one branch of a per-drafter stage); torchrun when it spans several
-    processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track in params.
+def job_gpus(stage):
+    """GPUs the stage's job requests: its config's, none for a merge."""
+    return 0 if merges(stage) else gpus(stage)
+
+
+def job_nprocs(stage):
+    return 1 if merges(stage) else nprocs(stage)
+
+
+def stage_cmd(stage, drafter=None, part=None):
+    """Shell command running one stage (one branch of a per-drafter stage, or one extract part); torchrun when it
+    spans several processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track
+    in params.
     """
     ignored = ignored_keys(cfg_of(drafter).drafter) if drafter else ()  # keys the branch's type never reads
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES, ignored),
-            *branch_overrides(drafter)]
+            *branch_overrides(drafter), *([f"extract.part={part}"] if part is not None else [])]
     quoted = " ".join(shlex.quote(a) for a in args)
-    if nprocs(stage) > 1 or gpus(stage) > 0:
-        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {nprocs(stage)}"
+    n_procs, n_gpus = (nprocs(stage), gpus(stage)) if part is not None else (job_nprocs(stage), job_gpus(stage))
+    if n_procs > 1 or n_gpus > 0:
+        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n_procs}"
         return f"{launch} -m draftforge.{stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
 
