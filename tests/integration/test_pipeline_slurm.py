@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_fixtures import LocalSlurm  # noqa: E402
 from workflow_fixtures import clean_copy, failure_report, pipeline_snakemake  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600)]
+# timeout: its first test may also run the session's local smoke pipeline (smoke_repo) before its own
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(7200)]
 
 BRANCH = "dflash"  # experiment=smoke's one drafter branch
 # Scheduler requests the test sets through the config (resources section), checked on the jobs SLURM ran.
