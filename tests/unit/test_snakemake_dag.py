@@ -125,8 +125,12 @@ def test_rule_resources_come_from_the_config(tmp_path: Path) -> None:
         assert ("threads: 2" in block) == (stage != "report"), block
         assert not re.search(r"mem_mb=|runtime=|slurm_partition=", block), block
     overrides = ["resources.default.cpus=1", "resources.default.mem_mb=3000", "resources.extract.runtime=30",
-                 "resources.train.cpus=2", "resources.train.partition=gpu"]  # fmt: skip
-    set_ = rule_blocks(dry_run(tmp_path, "experiment=smoke", f"overrides={overrides}".replace("'", '"'), extra=("--forceall",)))
+                 "resources.train.cpus=2", "resources.train.partition=gpu", "resources.baselines.gpus=1"]  # fmt: skip
+    output = dry_run(tmp_path, "experiment=smoke", f"overrides={overrides}".replace("'", '"'), extra=("--forceall", "-p"))
+    set_ = rule_blocks(output)
+    assert [s for s, b in set_.items() if "gpu=1" in b] == ["baselines"]
+    baselines = next(line for line in output.splitlines() if "-m draftforge.baselines" in line)
+    assert "torch.distributed" not in baselines  # a GPU for vLLM, not more processes
     assert "threads: 2" in set_["train"] and all("threads: 2" not in b for s, b in set_.items() if s != "train")
     assert all("mem_mb=3000" in b for b in set_.values())
     assert [s for s, b in set_.items() if "runtime=30" in b] == ["extract"]

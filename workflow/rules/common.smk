@@ -108,8 +108,9 @@ def nprocs(stage):
 
 
 def job_gpus(stage):
-    """GPUs the stage's job requests: its config's, none for a merge."""
-    return 0 if merges(stage) else gpus(stage)
+    """GPUs the stage's job requests: its own `gpus` (its processes) or else `resources.<stage>.gpus` (curate's or
+    baselines' vLLM on CUDA; never more processes); none for a merge."""
+    return 0 if merges(stage) else gpus(stage) or stage_resources(CFG.resources, stage).gpus
 
 
 def job_nprocs(stage):
@@ -125,8 +126,8 @@ def stage_cmd(stage, drafter=None, part=None):
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES, ignored),
             *branch_overrides(drafter), *([f"extract.part={part}"] if part is not None else [])]
     quoted = " ".join(shlex.quote(a) for a in args)
-    n_procs, n_gpus = (nprocs(stage), gpus(stage)) if part is not None else (job_nprocs(stage), job_gpus(stage))
-    if n_procs > 1 or n_gpus > 0:
+    n_procs, n_gpus = (job_nprocs(stage), 0 if merges(stage) else gpus(stage)) if part is None else (nprocs(stage), gpus(stage))
+    if n_procs > 1 or n_gpus > 0:  # the stage's own GPUs: one process each
         launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n_procs}"
         return f"{launch} -m draftforge.{stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
