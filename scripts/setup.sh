@@ -41,11 +41,23 @@ else
   echo "[setup] $VENV is up to date"
 fi
 
-if [[ $WITH_TEST == 1 ]] && ! command -v chromium >/dev/null 2>&1; then
+# Debian packages the tests use, as `command:package` (skipped when the command is already there).
+have() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null 2>&1; }
+apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install the packages whose command is absent
+  local flags=() missing=() entry
+  while [[ $1 != -- ]]; do flags+=("$1"); shift; done; shift
+  for entry in "$@"; do have "${entry%%:*}" || missing+=("${entry#*:}"); done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing Debian chromium (browser test of mlflow ui)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    echo "[setup] installing Debian ${missing[*]} (test tools)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${flags[@]}" "${missing[@]}" >/dev/null
   else
-    echo "[setup] chromium not found and cannot apt-get install it: the browser test will be skipped"
+    echo "[setup] ${missing[*]} not found and cannot apt-get install them: the tests that need them will be skipped"
   fi
+}
+if [[ $WITH_TEST == 1 ]]; then
+  apt_missing -- chromium:chromium  # browser test of mlflow ui
+  # A one-node SLURM cluster with munge for the slurm profile's test (scripts/slurm_local.sh, docs/cluster.md);
+  # without recommends, which would pull slurm-wlm-plugins' database and MPI libraries.
+  apt_missing --no-install-recommends -- slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 fi

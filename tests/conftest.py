@@ -44,3 +44,21 @@ def smollm2_target_info() -> dict:
     from draftforge.target.stage import resolve_target
 
     return resolve_target(compose("smoke").target, default_results_root())
+
+
+@pytest.fixture(scope="session")
+def smoke_repo(tmp_path_factory) -> Path:
+    """A clean copy of the repo after `snakemake --cores all --config experiment=smoke` (every stage, local
+    executor): the local pipeline test checks it, the SLURM pipeline test compares its own run with it."""
+    from workflow_fixtures import smoke_pipeline
+
+    return smoke_pipeline(tmp_path_factory.mktemp("clean-clone"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster (scripts/slurm_local.sh) for the session, or the test skipped with the reason
+    (tests/slurm_fixtures.py)."""
+    from slurm_fixtures import local_slurm
+
+    yield from local_slurm(tmp_path_factory.mktemp("slurm"))

@@ -28,6 +28,7 @@ from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
 from draftforge.report.config import ReportConfig
+from draftforge.resources import ResourcesConfig
 from draftforge.stages import STAGE_BY_NAME, STAGE_SECTIONS
 from draftforge.target.config import TargetConfig
 from draftforge.timing_lock import TimingLockConfig
@@ -60,6 +61,9 @@ class RootConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    # What each stage's job asks the scheduler for (threads, memory, wall time, partition): read by the
+    # Snakemake rules only, never by a stage (draftforge.resources; docs/cluster.md).
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
 ConfigStore.instance().store(name="draftforge_schema", node=RootConfig)
@@ -135,7 +139,7 @@ DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
 # whose computation the option does not change. Setting one to another value changes the params as usual.
 ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter.module": "",
                                  "target.chat_template_kwargs": {}, "evaluate.allow_chat_mode_mismatch": False,
-                                 "baselines.allow_chat_mode_mismatch": False}
+                                 "baselines.allow_chat_mode_mismatch": False, "extract.jobs": 1, "extract.part": -1}
 
 
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:

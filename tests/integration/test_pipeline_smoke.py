@@ -20,6 +20,9 @@ import pytest
 
 from draftforge.stages import PER_DRAFTER, STAGE_MARKERS, STAGES
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from workflow_fixtures import pipeline_snakemake  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,36 +33,12 @@ MARKERS = {stage: f"{stage}/dflash/{marker}" if stage in PER_DRAFTER else f"{sta
            for stage, marker in STAGE_MARKERS.items()}
 
 
-def clean_copy(dest: Path) -> Path:
-    """The tracked (and untracked, not ignored) files of the working tree: what a fresh clone holds."""
-    files = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, check=True
-    ).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
-
-
 def snakemake(repo: Path, *args: str, timeout: int = 3000, pythonpath: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(repo / "src")])),
-           "DRAFTFORGE_CACHE": str(REPO / "results" / "cache"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
-    return subprocess.run([str(BIN / "snakemake"), "--cores", "all", *args], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return pipeline_snakemake(repo, *args, timeout=timeout, pythonpath=pythonpath)
 
 
-@pytest.fixture(scope="module")
-def smoke_repo(tmp_path_factory) -> Path:
-    repo = clean_copy(tmp_path_factory.mktemp("clean-clone"))
-    started = time.monotonic()
-    result = snakemake(repo, "--config", "experiment=smoke")
-    if result.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (repo / "results" / "smoke" / "logs").glob("*.log"))
-        pytest.fail(f"smoke pipeline failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n{logs}")
-    print(f"smoke pipeline wall time: {time.monotonic() - started:.0f} s")
-    return repo
+# smoke_repo (tests/conftest.py, session-scoped): the clean copy after the smoke pipeline, shared with
+# tests/integration/test_pipeline_slurm.py, which compares its SLURM run with it.
 
 
 def test_every_stage_wrote_its_outputs(smoke_repo: Path) -> None:

@@ -132,7 +132,8 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
 
     other = {"drafter.module": ("drafter.module=draftforge.drafter.types.dflash", "draftforge.drafter.types.dflash"),
              "target.chat_template_kwargs": ("++target.chat_template_kwargs.enable_thinking=false",
-                                             {"enable_thinking": False})}  # (override, value)
+                                             {"enable_thinking": False}),
+             "extract.jobs": ("extract.jobs=2", 2), "extract.part": ("extract.part=0", 0)}  # (override, value)
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")
         stage = next(s for s, sections in STAGE_SECTIONS.items() if section in sections)  # a stage tracking it

@@ -110,6 +110,56 @@ def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:
     assert rerun(finished_copy, "target.drafter.n_taps=3") == set(STAGES)
 
 
+def test_scheduler_resources_change_no_stage(finished_copy: Path) -> None:
+    assert rerun(finished_copy, "resources.default.cpus=1", "resources.train.mem_mb=9000", "resources.report.runtime=5") == set()
+
+
+def rule_blocks(output: str) -> dict[str, str]:
+    """Each stage rule's block in a dry-run's output (its threads, resources, ...)."""
+    return {stage: re.search(rf"^(?:local)?rule {stage}:\n((?:    .*\n)+)", output, flags=re.M).group(1) for stage in STAGES}
+
+
+def test_rule_resources_come_from_the_config(tmp_path: Path) -> None:
+    plain = rule_blocks(dry_run(tmp_path, "experiment=smoke", extra=("--forceall",)))
+    for stage, block in plain.items():  # defaults: every core of the run (report: one), nothing else requested
+        assert ("threads: 2" in block) == (stage != "report"), block
+        assert not re.search(r"mem_mb=|runtime=|slurm_partition=", block), block
+    overrides = ["resources.default.cpus=1", "resources.default.mem_mb=3000", "resources.extract.runtime=30",
+                 "resources.train.cpus=2", "resources.train.partition=gpu", "resources.baselines.gpus=1"]  # fmt: skip
+    output = dry_run(tmp_path, "experiment=smoke", f"overrides={overrides}".replace("'", '"'), extra=("--forceall", "-p"))
+    set_ = rule_blocks(output)
+    assert [s for s, b in set_.items() if "gpu=1" in b] == ["baselines"]
+    baselines = next(line for line in output.splitlines() if "-m draftforge.baselines" in line)
+    assert "torch.distributed" not in baselines  # a GPU for vLLM, not more processes
+    assert "threads: 2" in set_["train"] and all("threads: 2" not in b for s, b in set_.items() if s != "train")
+    assert all("mem_mb=3000" in b for b in set_.values())
+    assert [s for s, b in set_.items() if "runtime=30" in b] == ["extract"]
+    assert [s for s, b in set_.items() if "slurm_partition=gpu" in b] == ["train"]
+
+
+def test_extract_fans_out_into_part_jobs_and_a_merge(tmp_path: Path) -> None:
+    output = dry_run(tmp_path, "experiment=smoke", 'overrides=["extract.jobs=3","extract.gpus=2"]', extra=("-p",))
+    jobs = planned_jobs(output)
+    assert jobs["extract_part"] == 3 and jobs["extract"] == 1
+    extract = [line for line in output.splitlines() if "-m draftforge.extract" in line]
+    parts = sorted(int(m.group(1)) for c in extract if (m := re.search(r"extract\.part=(\d+)", c)))
+    assert parts == [0, 1, 2]
+    assert all("--nproc_per_node 2" in c for c in extract if "extract.part=" in c)  # a part: the stage's GPUs
+    merge = [c for c in extract if "extract.part=" not in c]
+    assert len(merge) == 1 and "torch.distributed" not in merge[0]  # the merge: one process, no GPU
+    train = next(line for line in output.splitlines() if "-m draftforge.train" in line)
+    assert "extract.jobs" not in train  # the shards train reads are the same for any number of parts
+
+
+def test_a_cluster_run_without_cpus_fails_at_parse_naming_the_key(tmp_path: Path) -> None:
+    """The slurm profile's runs have no --cores: a stage's threads must come from the config (nothing submitted)."""
+    cmd = [SNAKEMAKE, "--workflow-profile", "profiles/slurm", "--config", "experiment=smoke", f"results_root={tmp_path}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ})
+    assert result.returncode != 0
+    assert "rule target: a cluster run has no --cores; set resources.default.cpus" in result.stdout + result.stderr
+    assert "submitted" not in result.stdout + result.stderr
+
+
 def test_every_stage_reads_what_the_table_declares() -> None:
     output = dry_run(Path("/nonexistent-results"), "experiment=smoke", extra=("--forceall",))
     for stage in STAGE_TABLE:

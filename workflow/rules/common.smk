@@ -1,9 +1,12 @@
 # Shared by every rule: the composed config, paths, and the command that launches a stage.
 import shlex
+from snakemake.exceptions import WorkflowError
 from draftforge.config import branch_overrides, stage_overrides
 from draftforge.drafter.registry import ignored_keys
+from draftforge.extract.parts import part_marker
 from draftforge.paths import stage_dir, stage_marker
-from draftforge.stages import PER_DRAFTER, STAGE_TABLE, stage_inputs
+from draftforge.resources import stage_resources
+from draftforge.stages import PER_DRAFTER, STAGE_BY_NAME, STAGE_TABLE, stage_inputs
 
 EXPERIMENT = str(config.get("experiment", "default"))
 _raw_overrides = config.get("overrides") or []
@@ -25,6 +28,22 @@ def cfg_of(drafter=None):
 def marker(stage, drafter=None):
     """The stage's marker; a per-drafter stage's with drafter=None is the wildcard pattern."""
     return str(stage_marker(RESULTS, EXPERIMENT, stage, (drafter or "{drafter}") if stage in PER_DRAFTER else None))
+
+
+# extract.jobs = K > 1: K extract_part jobs (part k: the k-th contiguous range of the plan's shards), then the
+# `extract` job merges their done shards into index.json, as one CPU process (draftforge.extract.parts).
+EXTRACT_JOBS = int(CFG.extract.jobs)
+
+
+def merges(stage):
+    """The stage's own job only merges what its part jobs computed (extract with extract.jobs > 1)."""
+    return stage == "extract" and EXTRACT_JOBS > 1
+
+
+def rule_inputs(stage, drafter=None):
+    """Upstream markers, and for a merging extract its parts' markers."""
+    parts = [str(part_marker(RESULTS, EXPERIMENT, k)) for k in range(EXTRACT_JOBS)] if merges(stage) else []
+    return upstream_markers(stage, drafter) + parts
 
 
 def upstream_markers(stage, drafter=None):
@@ -58,22 +77,58 @@ def gpus(stage):
     return int(CFG[stage].get("gpus", 0)) if stage in CFG else 0
 
 
+def stage_threads(stage):
+    """The stage's threads: `resources.<stage>.cpus` (or `resources.default.cpus`) when set, else every core the
+    run offers (`--cores`; report: 1). A cluster run has no `--cores`, so there a stage without cpus fails here,
+    at parse time, naming the key (docs/cluster.md)."""
+    cpus = stage_resources(CFG.resources, stage.name).cpus
+    if cpus > 0:
+        return cpus
+    if not stage.all_cores:
+        return 1
+    try:
+        return workflow.cores
+    except WorkflowError:
+        raise WorkflowError(f"rule {stage.name}: a cluster run has no --cores; set resources.default.cpus or "
+                            f"resources.{stage.name}.cpus (docs/cluster.md)") from None
+
+
+def scheduler_resources(stage):
+    """The rule's `mem_mb`, `runtime` (minutes) and `slurm_partition` from `resources.<stage>`; each only when set,
+    so an unset one leaves the profile's default-resources (and a local run) as they were."""
+    res = stage_resources(CFG.resources, stage)
+    out = {"mem_mb": res.mem_mb, "runtime": res.runtime, "slurm_partition": res.partition}
+    return {key: value for key, value in out.items() if value}
+
+
 def nprocs(stage):
     """Processes the stage runs as: one per GPU, else its `cpu_procs` (default 1)."""
     n_gpus = gpus(stage)
     return n_gpus if n_gpus > 0 else max(1, int(CFG[stage].get("cpu_procs", 1)) if stage in CFG else 1)
 
 
-def stage_cmd(stage, drafter=None):
-    """Shell command running one stage (one branch of a per-drafter stage); torchrun when it spans several
-    processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track in params.
+def job_gpus(stage):
+    """GPUs the stage's job requests: its own `gpus` (its processes) or else `resources.<stage>.gpus` (curate's or
+    baselines' vLLM on CUDA; never more processes); none for a merge."""
+    return 0 if merges(stage) else gpus(stage) or stage_resources(CFG.resources, stage).gpus
+
+
+def job_nprocs(stage):
+    return 1 if merges(stage) else nprocs(stage)
+
+
+def stage_cmd(stage, drafter=None, part=None):
+    """Shell command running one stage (one branch of a per-drafter stage, or one extract part); torchrun when it
+    spans several processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track
+    in params.
     """
     ignored = ignored_keys(cfg_of(drafter).drafter) if drafter else ()  # keys the branch's type never reads
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES, ignored),
-            *branch_overrides(drafter)]
+            *branch_overrides(drafter), *([f"extract.part={part}"] if part is not None else [])]
     quoted = " ".join(shlex.quote(a) for a in args)
-    if nprocs(stage) > 1 or gpus(stage) > 0:
-        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {nprocs(stage)}"
+    n_procs, n_gpus = (job_nprocs(stage), 0 if merges(stage) else gpus(stage)) if part is None else (nprocs(stage), gpus(stage))
+    if n_procs > 1 or n_gpus > 0:  # the stage's own GPUs: one process each
+        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n_procs}"
         return f"{launch} -m draftforge.{stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
 

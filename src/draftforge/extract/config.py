@@ -34,10 +34,17 @@ class ExtractConfig:
     disk_margin: float = 1.05  # required free bytes = estimate × margin
     verify_resumed: bool = True  # re-hash shards found complete from an earlier run before indexing
     dist_timeout_min: int = 720  # torch.distributed timeout (ranks wait at the final barrier)
+    # Jobs the extraction fans out into: K > 1 = Snakemake rules extract_part (part k: the k-th contiguous range of
+    # the plan's shards, each resumable) and `extract`, which merges their done shards into index.json. The plan,
+    # and so the shards and the index, are the same for any K (docs/cluster.md); 1 = one job, as before.
+    jobs: int = 1
+    part: int = -1  # set by the extract_part rule only: this job's shard range (-1 = every shard, or the merge)
 
     def __post_init__(self) -> None:
         check(self.gpus >= 0, "extract.gpus", f"{self.gpus} must be >= 0")
         check(self.cpu_procs >= 1, "extract.cpu_procs", f"{self.cpu_procs} must be >= 1")
         check(self.device in DEVICES, "extract.device", f"{self.device!r}: use one of {', '.join(DEVICES)}")
         check(self.storage_dtype in STORAGE_DTYPES, "extract.storage_dtype", f"{self.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
+        check(self.jobs >= 1, "extract.jobs", f"{self.jobs} must be >= 1")
+        check(-1 <= self.part < self.jobs, "extract.part", f"{self.part} must be -1 (all) or in [0, extract.jobs={self.jobs})")
         check(self.tokens_per_batch >= 1 and self.max_seq_len >= 1, "extract.tokens_per_batch/max_seq_len", "must be >= 1")

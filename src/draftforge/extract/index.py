@@ -23,11 +23,11 @@ from draftforge.io import atomic_path, read_json, sha256_file, write_json
 log = logging.getLogger(__name__)
 
 
-def verify_owned(plan: ExtractPlan, shard_dir: Path, rank: int, world_size: int) -> int:
-    """Re-hash this rank's shards done by an earlier run; a mismatch forgets the shard (recomputed).
+def verify_owned(plan: ExtractPlan, shard_dir: Path, rank: int, world_size: int, part: int = 0, parts: int = 1) -> int:
+    """Re-hash this rank's shards (of its part) done by an earlier run; a mismatch forgets the shard (recomputed).
     Returns the number of shards forgotten."""
     bad = 0
-    for shard in plan.owned(rank, world_size):
+    for shard in plan.owned(rank, world_size, part, parts):
         rec = read_done(shard_dir, shard, plan.key)
         if rec is None:
             continue
@@ -110,16 +110,18 @@ def build_index(plan: ExtractPlan, shard_dir: Path, *, taps: list[int], hidden_s
 
 
 def finalize(ctx, plan: ExtractPlan, shard_dir: Path, *, taps: list[int], hidden_size: int, fingerprint: str,
-             storage_dtype: str, meta: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Rank 0 after the barrier: check every shard, link them into out_dir, write index.json last. `record`: top-level
-    keys carried from upstream (the curate data's chat mode)."""
+             storage_dtype: str, meta: dict[str, Any], record: dict[str, Any] | None = None,
+             ranks: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """Rank 0 after the barrier (or the merge of extract.jobs parts): check every shard, link them into out_dir, write
+    index.json last. `record`: top-level keys carried from upstream (the curate data's chat mode). `ranks`: the
+    processes whose stats-rank<r>.json to sum (default: this job's world size; parts × ranks per part for a merge)."""
     from draftforge.tracking import mlflow_run
 
     out_dir = Path(ctx.out_dir)
     index = build_index(plan, shard_dir, taps=taps, hidden_size=hidden_size, fingerprint=fingerprint,
                         storage_dtype=storage_dtype)  # fmt: skip
     index.update(record or {})
-    index["throughput"] = throughput(shard_dir, ctx.world_size)
+    index["throughput"] = throughput(shard_dir, ranks or ctx.world_size)
     index["meta"] = meta
     (out_dir / INDEX_NAME).unlink(missing_ok=True)  # never a marker beside shards being replaced
     wanted = {s["file"] for s in index["shards"]}

@@ -2,7 +2,8 @@
 
 Invariant: the plan is a pure function of the input files (names, row order, lengths) and of the
 shard/window settings, never of the world size. Shard i is therefore the same set of sequences in the
-same order for 1 or N processes, and rank r of N owns shards i ≡ r (mod N).
+same order for 1 or N processes (or K jobs: part k of K is the k-th contiguous range of shards), and rank r
+of N owns shards i ≡ r (mod N) of its part.
 
 Within a sort window of consecutive rows, sequences are sorted by length (longest first, ties by row)
 and cut greedily into shards, so each shard holds sequences of similar length (little padding).
@@ -63,8 +64,15 @@ class ExtractPlan:
     inputs_key: str = ""  # hash of the curate inputs and plan settings alone (no extra_key)
     meta: dict = field(default_factory=dict)
 
-    def owned(self, rank: int, world_size: int) -> list[ShardSpec]:
-        return [s for s in self.shards if s.index % world_size == rank]
+    def part(self, part: int, parts: int) -> list[ShardSpec]:
+        """Part `part` of `parts` (extract.jobs): a contiguous range of shards; the parts' sizes differ by at most
+        one, they are disjoint and cover the plan."""
+        n = len(self.shards)
+        return self.shards[part * n // parts : (part + 1) * n // parts]
+
+    def owned(self, rank: int, world_size: int, part: int = 0, parts: int = 1) -> list[ShardSpec]:
+        """Rank r of N (of one part's job) owns the part's shards i ≡ r (mod N)."""
+        return [s for s in self.part(part, parts) if s.index % world_size == rank]
 
 
 def list_split(curate_dir: Path, split: str) -> SplitInputs | None:

@@ -176,14 +176,16 @@ def run_rank(
     writer_threads: int = 2,
     stop_after: int | None = None,
     load_rows: Callable[[ShardSpec], ShardRows] | None = None,
+    part: int = 0,
+    parts: int = 1,
 ) -> RankStats:
-    """Extract every shard this rank owns that is not done yet. `stop_after` (tests): end after that
+    """Extract every shard this rank owns (of part `part` of `parts`: extract.jobs) that is not done yet. `stop_after` (tests): end after that
     many computed shards, as a kill would. `load_rows` (benchmarks): rows of a shard; default reads
     the curate parquet files."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     stats = RankStats(rank)
     todo = []
-    for shard in plan.owned(rank, world_size):
+    for shard in plan.owned(rank, world_size, part, parts):
         if read_done(shard_dir, shard, plan.key) is None:
             todo.append(shard)
         else:

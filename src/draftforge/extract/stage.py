@@ -5,6 +5,9 @@ Launch: `python -m draftforge.extract experiment=NAME` or
 device = cuda:LOCAL_RANK, gloo on CPU). Rank r extracts shards i ≡ r (mod N); after a barrier rank 0
 checks every shard's done record, hard-links the shards into the output folder and writes index.json
 last (the marker). Shards stay in the work area, so a rerun after a failure resumes (see runner.py).
+With extract.jobs = K > 1, Snakemake runs K part jobs (`extract.part=k`: the k-th contiguous shard range, same
+plan, same work area), each ending with its part marker, then this stage once more (part -1) to merge: it reads
+the markers and writes index.json as above, without loading the target (parts.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as torch_dist
 from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.errors import StageError
 from draftforge.extract.index import finalize, verify_owned
+from draftforge.extract.parts import part_marker, read_part_markers, write_part_marker
 from draftforge.extract.plan import ExtractPlan, plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
 from draftforge.extract.runner import TargetView, read_done, run_rank
@@ -75,12 +79,26 @@ def check_curate(ctx, info: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
+def make_plan(ctx, extra_key: dict[str, Any]) -> ExtractPlan:
+    cfg = ctx.cfg.extract
+    return plan_extraction(
+        ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,
+        tokens_per_shard=cfg.tokens_per_shard, seqs_per_shard=cfg.seqs_per_shard, sort_window=cfg.sort_window,
+        extra_key=extra_key,
+    )  # fmt: skip
+
+
 def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | None = None) -> dict[str, Any] | None:
-    """The whole stage for this rank; returns the index (rank 0) or None. `free_bytes` is the
-    free-space probe (injectable for tests); `stop_after` ends after that many shards (kill test)."""
+    """The whole stage for this rank (of this part); returns the index (rank 0 of a single job, or the merge) or
+    None. `free_bytes` is the free-space probe (injectable for tests); `stop_after` ends after that many shards
+    (kill test)."""
     from draftforge.target.load import load_target_model, read_target_info
 
     cfg = ctx.cfg.extract
+    if cfg.jobs > 1 and cfg.part < 0:
+        return merge_parts(ctx)
+    part, parts = max(cfg.part, 0), cfg.jobs
+    global_rank = part * ctx.world_size + ctx.rank  # its stats file: ranks of all parts side by side
     target_json = ctx.input_marker("target")
     info = read_target_info(target_json)
     data_mode = ChatMode.record_of(check_curate(ctx, info))  # the chat mode curate rendered the sequences in
@@ -97,20 +115,16 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                  "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch}
     if store_last:  # only then: plans (and resumable shards) without it keep their key
         extra_key["last_hidden"] = True
-    plan = plan_extraction(
-        ctx.input_dir("curate"), list(cfg.splits), max_seq_len=cfg.max_seq_len,
-        tokens_per_shard=cfg.tokens_per_shard, seqs_per_shard=cfg.seqs_per_shard, sort_window=cfg.sort_window,
-        extra_key=extra_key,
-    )  # fmt: skip
+    plan = make_plan(ctx, extra_key)
     shard_dir = Path(ctx.work_dir) / "shards" / plan.key
     dist = Dist(ctx.rank, ctx.world_size, device, cfg.dist_timeout_min)
     try:
         if cfg.verify_resumed:
-            verify_owned(plan, shard_dir, ctx.rank, ctx.world_size)
+            verify_owned(plan, shard_dir, ctx.rank, ctx.world_size, part, parts)
         dist.barrier()
         error = None
         if ctx.is_rank0:
-            remaining = [s for s in plan.shards if read_done(shard_dir, s, plan.key) is None]
+            remaining = [s for s in plan.part(part, parts) if read_done(shard_dir, s, plan.key) is None]
             need = estimate_bytes(remaining, len(taps) * info["hidden_size"], len(taps), cfg.storage_dtype)
             error = check_disk(shard_dir, need, cfg.disk_margin, free_bytes)
             log.info("plan %s: %d shards (%d to do), %d tokens; estimated %.2f GiB to write", plan.key,
@@ -126,10 +140,10 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
             plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
             tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
             stop_after_last_tap=cfg.stop_after_last_tap, store_last=store_last, progress=True, stop_after=stop_after,
-            writer_threads=cfg.writer_threads,
+            writer_threads=cfg.writer_threads, part=part, parts=parts,
         )  # fmt: skip
-        write_json(shard_dir / f"stats-rank{ctx.rank}.json", {**stats.as_dict(), "world_size": ctx.world_size,
-                                                              "device": str(device), "pid": os.getpid()})  # fmt: skip
+        write_json(shard_dir / f"stats-rank{global_rank}.json", {**stats.as_dict(), "rank": global_rank, "part": part,
+                   "world_size": ctx.world_size, "device": str(device), "pid": os.getpid()})  # fmt: skip
         if stop_after is not None:
             return None
         dist.barrier()
@@ -139,11 +153,35 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                 "attn_implementation": attn, "device": device.type, "max_seq_len": cfg.max_seq_len,
                 "n_truncated": plan.n_truncated, "last_hidden": store_last,
                 "taps_key": taps_key(plan, extra_key)}  # fmt: skip
+        if parts > 1:  # a part job: its marker; the merge (part -1) writes the index
+            write_part_marker(part_marker(ctx.results_root, ctx.experiment, part), plan, shard_dir, part=part,
+                              parts=parts, world_size=ctx.world_size, extra_key=extra_key, meta=meta)  # fmt: skip
+            return None
         return finalize(ctx, plan, shard_dir, taps=taps, hidden_size=int(info["hidden_size"]),
                         fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=meta,
                         record={RECORD_KEY: data_mode.kwargs})  # fmt: skip
     finally:
         dist.close()
+
+
+def merge_parts(ctx) -> dict[str, Any]:
+    """extract.jobs > 1, after every part: the plan the parts recorded (rebuilt from the curate files and checked
+    against their key), then index.json over their shards. Loads no model and needs no device."""
+    from draftforge.target.load import read_target_info
+
+    cfg = ctx.cfg.extract
+    info = read_target_info(ctx.input_marker("target"))
+    data_mode = ChatMode.record_of(check_curate(ctx, info))
+    markers = read_part_markers(ctx.results_root, ctx.experiment, cfg.jobs, info["fingerprint"])
+    extra_key = markers[0]["extra_key"]
+    plan = make_plan(ctx, extra_key)
+    if plan.key != markers[0]["plan_key"]:
+        raise StageError(f"{part_marker(ctx.results_root, ctx.experiment, 0).parent}: the parts extracted plan "
+                         f"{markers[0]['plan_key']}, the curate files now plan {plan.key}; rerun the extract parts")  # fmt: skip
+    shard_dir = Path(ctx.work_dir) / "shards" / plan.key
+    return finalize(ctx, plan, shard_dir, taps=list(extra_key["taps"]), hidden_size=int(info["hidden_size"]),
+                    fingerprint=info["fingerprint"], storage_dtype=cfg.storage_dtype, meta=markers[0]["meta"],
+                    record={RECORD_KEY: data_mode.kwargs}, ranks=cfg.jobs * int(markers[0]["world_size"]))  # fmt: skip
 
 
 def taps_key(plan: ExtractPlan, extra_key: dict[str, Any]) -> str:

@@ -1,0 +1,114 @@
+"""The smoke pipeline through `--workflow-profile profiles/slurm` on a one-node SLURM cluster (scripts/slurm_local.sh):
+every stage runs as a SLURM job with the resources the config asks for, and what it computes (evaluate's tokens
+and τ, extract's shard checksums) equals the local run's (the session's `smoke_repo`; both fixtures in tests/conftest.py).
+Skipped, with the reason, where this machine cannot run slurmd (tests/slurm_fixtures.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from draftforge.stages import PER_DRAFTER, STAGE_MARKERS, STAGES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slurm_fixtures import LocalSlurm  # noqa: E402
+from workflow_fixtures import clean_copy, failure_report, pipeline_snakemake  # noqa: E402
+
+# timeout: its first test may also run the session's local smoke pipeline (smoke_repo) before its own
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(7200)]
+
+BRANCH = "dflash"  # experiment=smoke's one drafter branch
+# Scheduler requests the test sets through the config (resources section), checked on the jobs SLURM ran.
+MEM_MB, EXTRACT_RUNTIME_MIN = 3000, 30
+# A row's computed values: what must match the local run (timings and the timing-chosen budgets never do).
+ROW_KEY = ("dataset", "method", "budget", "temperature")
+ROW_VALUES = ("status", "tau", "tau_histogram", "rounds", "decode_tokens", "n_responses", "lossless_mismatches")
+RESPONSE_KEY = ("split", "repeat", "method", "budget", "temperature", "prompt_index", "turn")
+
+
+def stage_dir(exp: Path, stage: str) -> Path:
+    return exp / stage / BRANCH if stage in PER_DRAFTER else exp / stage
+
+
+def job_comment(stage: str) -> str:
+    """The comment snakemake-executor-plugin-slurm gives a rule's job (`rule_<name>[_wildcards_<values>]`)."""
+    return f"rule_{stage}_wildcards_{BRANCH}" if stage in PER_DRAFTER else f"rule_{stage}"
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory, slurm_cluster: LocalSlurm, smoke_repo: Path) -> dict[str, Any]:
+    """The smoke experiment through the slurm profile, threads as the local run's (`--cores all` there)."""
+    from snakemake.utils import available_cpu_count
+
+    repo = clean_copy(tmp_path_factory.mktemp("slurm-clone"))
+    results = repo / "slurm-results"  # results_root given on the command line
+    cpus = min(available_cpu_count(), slurm_cluster.cpus)
+    overrides = [f"resources.default.cpus={cpus}", "resources.report.cpus=1", f"resources.default.mem_mb={MEM_MB}",
+                 f"resources.extract.runtime={EXTRACT_RUNTIME_MIN}"]  # fmt: skip
+    started = time.monotonic()
+    result = pipeline_snakemake(
+        repo, "--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
+        "--slurm-no-account", "--config", "experiment=smoke", f"results_root={results}",
+        f"overrides={json.dumps(overrides, separators=(',', ':'))}", cores=None, env=slurm_cluster.env,
+    )  # fmt: skip
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        pytest.fail(f"SLURM smoke pipeline failed:\n{failure_report(result, results / 'smoke' / 'logs')}")
+    print(f"SLURM smoke pipeline wall time: {wall:.0f} s")
+    submitted = re.findall(r"submitted with SLURM jobid (\d+)", result.stdout + result.stderr)
+    return {"exp": results / "smoke", "local": smoke_repo / "results" / "smoke", "jobs": submitted,
+            "output": result.stdout + result.stderr}  # fmt: skip
+
+
+def test_every_stage_ran_as_a_slurm_job(slurm_run: dict[str, Any], slurm_cluster: LocalSlurm) -> None:
+    ours = {row["job"]: row for row in slurm_cluster.squeue() if row["job"] in set(slurm_run["jobs"])}
+    by_stage = {stage: [r for r in ours.values() if r["comment"] == job_comment(stage)] for stage in STAGES}
+    assert {s: len(rows) for s, rows in by_stage.items()} == {s: 1 for s in STAGES}, slurm_run["output"][-3000:]
+    finished = slurm_cluster.jobcomp()  # slurmctld's own record of each finished job
+    for stage, (row,) in by_stage.items():
+        assert row["state"] == "COMPLETED", row
+        assert finished[row["job"]]["JobState"] == "COMPLETED", finished.get(row["job"])
+        assert (stage_dir(slurm_run["exp"], stage) / STAGE_MARKERS[stage]).is_file()
+    # the config's resources section reached sbatch: memory everywhere, extract's wall time, report's own cpus
+    assert {r["min_memory"] for (r,) in by_stage.values()} == {f"{MEM_MB}M"}
+    assert by_stage["extract"][0]["time_limit"] == f"{EXTRACT_RUNTIME_MIN}:00"
+    assert by_stage["report"][0]["cpus"] == "1"
+    assert len(set(slurm_run["jobs"])) == len(STAGES)  # nothing ran outside SLURM, nothing twice
+
+
+def _rows(evaluate_dir: Path) -> dict[tuple, dict[str, Any]]:
+    rows = json.loads((evaluate_dir / "evaluate.json").read_text())["rows"]
+    return {tuple(r[k] for k in ROW_KEY): {k: r.get(k) for k in ROW_VALUES} for r in rows}
+
+
+def _responses(evaluate_dir: Path) -> dict[tuple, list[int]]:
+    """Every response's token ids, from the per-dataset files (`<dataset>.json`) beside evaluate.json."""
+    out: dict[tuple, list[int]] = {}
+    for path in sorted(evaluate_dir.glob("*.json")):
+        payload = json.loads(path.read_text())
+        if path.name == "evaluate.json" or "responses" not in payload:
+            continue
+        for r in payload["responses"]:
+            out[(path.stem, *(r.get(k) for k in RESPONSE_KEY))] = r["tokens"]
+    return out
+
+
+def test_evaluate_tokens_and_tau_equal_the_local_run(slurm_run: dict[str, Any]) -> None:
+    ours, local = stage_dir(slurm_run["exp"], "evaluate"), stage_dir(slurm_run["local"], "evaluate")
+    assert _rows(ours) == _rows(local)
+    responses = _responses(ours)
+    assert responses and responses == _responses(local)
+
+
+def test_extract_shard_checksums_equal_the_local_run(slurm_run: dict[str, Any]) -> None:
+    def shards(exp: Path) -> dict[str, str]:
+        index = json.loads((exp / "extract" / STAGE_MARKERS["extract"]).read_text())
+        return {s["file"]: s["sha256"] for s in index["shards"]}
+
+    assert shards(slurm_run["exp"]) and shards(slurm_run["exp"]) == shards(slurm_run["local"])
