@@ -71,7 +71,9 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        _plain_mode(tmp)
+        for path in (tmp, *tmp.rglob("*")):  # what third-party writers made there too (safetensors' 0600 files)
+            if not path.is_symlink():
+                _plain_mode(path)
         if final.exists():
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -31,10 +31,13 @@ def test_atomic_outputs_get_the_mode_of_a_plain_open(tmp_path: Path, umask: int)
             (tmp / "config.json").write_text("{}")
         with io.atomic_dir(tmp_path / "export") as tmp:  # replacing an existing folder
             (tmp / "config.json").write_text("{}")
+            fd = os.open(tmp / "model.safetensors", os.O_CREAT | os.O_WRONLY, 0o600)  # as mkstemp-based writers do
+            os.close(fd)
+            (tmp / "nested").mkdir(mode=0o700)
     finally:
         os.umask(old)
     assert _mode(plain) == 0o666 & ~umask
-    for name in ("a.json", "sub/b.txt", "c.bin", "export/config.json"):
+    for name in ("a.json", "sub/b.txt", "c.bin", "export/config.json", "export/model.safetensors"):
         assert _mode(tmp_path / name) == _mode(plain), name
-    assert _mode(tmp_path / "export") == _mode(tmp_path / "plain_dir") == 0o777 & ~umask
+    assert _mode(tmp_path / "export") == _mode(tmp_path / "export" / "nested") == _mode(tmp_path / "plain_dir") == 0o777 & ~umask
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left behind
