@@ -9,28 +9,24 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-# Qwen3-style: the final assistant turn is rendered with an (empty) think block before the content,
-# and the generation prompt carries the same empty think block (enable_thinking=False behaviour).
-QWEN3_LIKE_TEMPLATE = (
+# The turns of both Qwen3-shaped templates: the final assistant turn carries an (empty) think block.
+_QWEN3_TURNS = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
     "{% if loop.last %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message['content'] + '<|im_end|>\n' }}"
     "{% else %}{{ '<|im_start|>assistant\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}"
+)
+# Qwen3-style with thinking off: the generation prompt carries the same empty think block.
+QWEN3_LIKE_TEMPLATE = _QWEN3_TURNS + (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{% endif %}"
 )
 
 # Qwen3's shape of the thinking switch: with `enable_thinking=False` the generation prompt carries an empty think
 # block (so the model answers without thinking); left unset the model may think first. The final assistant turn of
 # a rendered conversation always carries the (empty) think block, in either mode.
-QWEN3_THINKING_SWITCH_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{% if loop.last %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>assistant\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
-    "{% endfor %}"
+QWEN3_THINKING_SWITCH_TEMPLATE = _QWEN3_TURNS + (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
     "{% endif %}"
