@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pipeline_smoke import clean_copy, snakemake  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftforge.stages import PER_DRAFTER, STAGE_MARKERS  # noqa: E402
+from workflow_fixtures import clean_copy, failure_report, pipeline_snakemake  # noqa: E402
 
 DRAFTERS = ("dflash", "dspark", "mtp")  # experiment=smoke-hybrid lists every drafter type
 
@@ -23,11 +22,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 def test_smoke_hybrid_pipeline(tmp_path_factory) -> None:
     repo = clean_copy(tmp_path_factory.mktemp("clean-clone-hybrid"))
-    result = snakemake(repo, "--config", "experiment=smoke-hybrid")
+    result = pipeline_snakemake(repo, "--config", "experiment=smoke-hybrid")
     exp = repo / "results" / "smoke-hybrid"
     if result.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (exp / "logs").glob("*.log"))
-        pytest.fail(f"smoke-hybrid pipeline failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n{logs}")
+        pytest.fail(f"smoke-hybrid pipeline failed:\n{failure_report(result, exp / 'logs')}")
     for stage, marker in STAGE_MARKERS.items():
         for where in ([exp / stage / d / marker for d in DRAFTERS] if stage in PER_DRAFTER else [exp / stage / marker]):
             assert where.is_file(), f"{stage}: {where} missing"

@@ -14,18 +14,12 @@ import math
 from typing import Any
 
 from draftforge.drafter.registry import tree_methods
-
-
-def _num(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
+from draftforge.report.rows import to_float
 
 
 def round_cost_steps(row: dict[str, Any]) -> float:
     """A round's cost in AR steps: τ ÷ speedup (nan when either is missing)."""
-    tau, speedup = _num(row.get("tau")), _num(row.get("speedup_vs_ar"))
+    tau, speedup = to_float(row.get("tau")), to_float(row.get("speedup_vs_ar"))
     return tau / speedup if speedup > 0 else math.nan
 
 
@@ -36,7 +30,7 @@ def headline_cells(rows: list[dict[str, Any]], choices: list[dict[str, Any]], te
     trees = set(tree_methods())
     cells: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
-        if r["method"] == "ar" or r.get("status", "ok") != "ok" or _num(r.get("temperature")) != temperature:
+        if r["method"] == "ar" or r.get("status", "ok") != "ok" or to_float(r.get("temperature")) != temperature:
             continue
         if r["method"] in trees and r["engine"] == "draftforge":
             continue  # from the budget choices below
@@ -55,10 +49,10 @@ def _cell_text(cell: dict[str, Any]) -> str:
         text = "no auto budget"
     else:
         at = f" @{row['budget']}" if row.get("budget") is not None else ""
-        text = (f"**{_num(row.get('speedup_vs_ar')):.2f}×**{at} (τ {_num(row.get('tau')):.2f} ÷ round "
+        text = (f"**{to_float(row.get('speedup_vs_ar')):.2f}×**{at} (τ {to_float(row.get('tau')):.2f} ÷ round "
                 f"{round_cost_steps(row):.2f} AR)")
     if oracle is not None and (row is None or oracle.get("budget") != row.get("budget")):
-        text += f"; oracle {_num(oracle.get('speedup_vs_ar')):.2f}× @{oracle.get('budget')}"
+        text += f"; oracle {to_float(oracle.get('speedup_vs_ar')):.2f}× @{oracle.get('budget')}"
     return text
 
 

@@ -46,10 +46,10 @@ def collect_rows(evaluate_jsons: Sequence[Path], baselines_jsons: Sequence[Path]
     for path in baselines_jsons:
         rows += _rows_of(read_json(path, what="vllm results"), path, "vllm")
     return sorted(rows, key=lambda r: (str(r.get("dataset")), r["engine"], str(r.get("drafter")), r["method"],
-                                       _num(r.get("budget"), -1)))
+                                       to_float(r.get("budget"), -1)))
 
 
-def _num(value: Any, default: float = math.nan) -> float:
+def to_float(value: Any, default: float = math.nan) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -68,7 +68,7 @@ def best_ddtree(rows: list[dict[str, Any]], methods: Sequence[str] | None = None
         if drafter is not None and row.get("drafter") != drafter:
             continue
         current = best.get(row.get("dataset"))
-        if current is None or _num(row.get("tokens_per_s"), 0) > _num(current.get("tokens_per_s"), 0):
+        if current is None or to_float(row.get("tokens_per_s"), 0) > to_float(current.get("tokens_per_s"), 0):
             best[row.get("dataset")] = row
     return best
 
@@ -79,17 +79,17 @@ def budget_choices(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         if row.get("engine") == "draftforge" and row["method"] in tree_methods() and row.get("status", "ok") == "ok":
-            key = (str(row.get("dataset")), _num(row.get("temperature"), 0.0), str(row.get("drafter")), row["method"])
+            key = (str(row.get("dataset")), to_float(row.get("temperature"), 0.0), str(row.get("drafter")), row["method"])
             groups.setdefault(key, []).append(row)
     out = []
     for (dataset, temp, drafter, method), group in sorted(groups.items()):
         auto = next((r for r in group if r.get("auto_budget")), None)
         best = next((r for r in group if r.get("best_budget")), None)
         if best is None:  # rows without flags: today's rule, highest tokens/s
-            best = max(group, key=lambda r: _num(r.get("tokens_per_s"), -1.0))
+            best = max(group, key=lambda r: to_float(r.get("tokens_per_s"), -1.0))
         ratio = None
-        if auto is not None and _num(best.get("tokens_per_s"), 0) > 0:
-            ratio = _num(auto.get("tokens_per_s")) / _num(best["tokens_per_s"])
+        if auto is not None and to_float(best.get("tokens_per_s"), 0) > 0:
+            ratio = to_float(auto.get("tokens_per_s")) / to_float(best["tokens_per_s"])
         note = next((r["auto_budget_note"] for r in group if r.get("auto_budget_note")), None)
         if auto is None and note is None:
             note = "these rows carry no auto budget (evaluate ran without calibration)"
@@ -115,12 +115,12 @@ def miss_reasons(auto: dict[str, Any], best: dict[str, Any], group: list[dict[st
     lo, hi = best.get("tokens_per_s_min"), auto.get("tokens_per_s_max")
     if repeats <= 1:
         why.append("one timed pass per budget: no spread to tell noise from a real difference")
-    elif lo is not None and hi is not None and _num(hi) >= _num(lo):
-        why.append(f"repeat spreads overlap (auto max {_num(hi):.1f} ≥ oracle min {_num(lo):.1f} tok/s): "
+    elif lo is not None and hi is not None and to_float(hi) >= to_float(lo):
+        why.append(f"repeat spreads overlap (auto max {to_float(hi):.1f} ≥ oracle min {to_float(lo):.1f} tok/s): "
                    f"not distinguishable at {repeats} repeats")
-    scored = [r for r in group if _num(r.get("round_ms"), 0) > 0 and r.get("tau") is not None]
+    scored = [r for r in group if to_float(r.get("round_ms"), 0) > 0 and r.get("tau") is not None]
     if scored:
-        on_eval = max(scored, key=lambda r: _num(r["tau"]) / _num(r["round_ms"]))
+        on_eval = max(scored, key=lambda r: to_float(r["tau"]) / to_float(r["round_ms"]))
         if on_eval.get("budget") == best.get("budget"):
             why.append(f"the τ ÷ round-cost rule on the evaluation prompts picks {best.get('budget')}, as the oracle does; "
                        f"calibration (evaluation) prompts measured {_seen(auto)}; {_seen(best)} — "
@@ -158,7 +158,7 @@ def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     {dataset: {"ddtree_tokens_per_s", "ddtree_label", <type name>: {engine: {"label", "tokens_per_s", "ratio"}}}}),
     T = 0 rows."""
     ref = reference_type()
-    at_zero = [r for r in rows if _num(r.get("temperature"), 0.0) == 0.0]
+    at_zero = [r for r in rows if to_float(r.get("temperature"), 0.0) == 0.0]
     if any(r.get("auto_budget") for r in at_zero):  # calibrated budgets only: no choice on the evaluation data
         at_zero = [r for r in at_zero if r["method"] not in tree_methods() or r.get("auto_budget")]
     best = best_ddtree(at_zero)
@@ -171,9 +171,9 @@ def vs_mtp(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for r in rows:
             if r.get("dataset") != dataset or r["method"] != ref.chain_method or r.get("status", "ok") != "ok":
                 continue
-            if _num(r.get("temperature"), 0.0) != 0.0 or not _num(r.get("tokens_per_s"), 0):
+            if to_float(r.get("temperature"), 0.0) != 0.0 or not to_float(r.get("tokens_per_s"), 0):
                 continue
-            ratio = _num(d.get("tokens_per_s"), math.nan) / _num(r["tokens_per_s"])
+            ratio = to_float(d.get("tokens_per_s"), math.nan) / to_float(r["tokens_per_s"])
             entry[ref.name][r["engine"]] = {"label": method_label(r), "tokens_per_s": r["tokens_per_s"], "ratio": ratio}
         out[dataset] = entry
     return out

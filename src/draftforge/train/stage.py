@@ -145,6 +145,7 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
         check_disk(ctx.work_dir / "checkpoints", ctx.out_dir, drafter_numel(dcfg), cfg, free_bytes)
     device = open_device(ctx, cfg)
     dtype = compute_dtype(cfg, device)
+    obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
     if cfg.features == "online":
         from draftforge.extract.stage import check_curate
         from draftforge.train.online import open_online
@@ -155,9 +156,6 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
         data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
     else:
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        data_key = None
-    obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
-    if data_key is None:
         data_key = offline_data_key(ctx.input_marker("extract"), obj is not None and obj.needs_target)
     if obj is not None and obj.needs_target and len(train_src[0]) < 4:
         where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
