@@ -3,7 +3,7 @@
 Stages never use the network: importing this module (every stage's `__main__` imports it first, before its
 stage module, MLflow, vLLM or huggingface_hub) sets NO_NETWORK_ENV where the caller left it unset.
 
-Also under torchrun (RANK/WORLD_SIZE set): every rank composes the same config; only rank 0 logs to
+Also under torchrun or srun tasks (RANK/WORLD_SIZE set; draftforge.launch): every rank composes the same config; only rank 0 logs to
 MLflow and writes provenance. A StageError becomes one line on stderr and exit status 2.
 """
 
@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.config import compose, config_hash, stage_params
 from draftforge.errors import StageError
+from draftforge.launch import apply_slurm_ranks
 from draftforge.paths import stage_dir, stage_marker, work_dir
 from draftforge.provenance import git_state
 from draftforge.stages import PER_DRAFTER, stage_inputs
@@ -41,6 +42,7 @@ def no_network_env() -> None:
 
 
 no_network_env()  # before a stage module is imported (none of the imports above imports those libraries)
+apply_slurm_ranks()  # an srun task of draftforge.launch: RANK / WORLD_SIZE / LOCAL_RANK from SLURM's variables
 
 log = logging.getLogger("draftforge")
 

@@ -33,11 +33,13 @@ def cuda_device_count() -> int:
 
 
 def pick_device(key: str, device: str, gpus: int, local_rank: int = 0) -> torch.device:
-    """This rank's device: cuda:LOCAL_RANK (made current) or cpu, per `device_kind`."""
+    """This rank's device: cuda:LOCAL_RANK (made current) or cpu, per `device_kind`. A process that sees fewer
+    GPUs than its node's ranks (an srun task bound to its own GPU) takes LOCAL_RANK modulo those it sees."""
     if device_kind(key, device, gpus) == "cpu":
         return torch.device("cpu")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def dtype_named(key: str, name: str) -> torch.dtype:

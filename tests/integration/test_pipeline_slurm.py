@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +115,54 @@ def test_extract_shard_checksums_equal_the_local_run(slurm_run: dict[str, Any]) 
         return {s["file"]: s["sha256"] for s in index["shards"]}
 
     assert shards(slurm_run["exp"]) and shards(slurm_run["exp"]) == shards(slurm_run["local"])
+
+
+def _running_job(cluster: LocalSlurm, comment: str, seen: set[str]) -> str | None:
+    return next((r["job"] for r in cluster.squeue() if r["comment"] == comment and r["state"] == "RUNNING"
+                 and r["job"] not in seen), None)  # fmt: skip
+
+
+def test_training_over_two_srun_tasks_resumes_after_scancel_and_follows_one_process(
+    slurm_run: dict[str, Any], slurm_cluster: LocalSlurm, tmp_path: Path
+) -> None:
+    """Training across nodes, with 2 SLURM tasks on this one node standing in for 2 nodes: draftforge.launch starts
+    them with srun, each takes its rank and the rendezvous from SLURM's environment (gloo). The job is scancel'd
+    mid-run; the rerun resumes from the checkpoint the kill left and ends on the loss curve of the 1-process run
+    with the same global batch (slurm_run's train: 1 process x 2 sequences = 2 tasks x 1)."""
+    exp = slurm_run["exp"]
+    reference = json.loads((stage_dir(exp, "train") / STAGE_MARKERS["train"]).read_text())
+    assert reference["world_size"] == 1 and reference["global_batch"] == 2
+    repo = exp.parents[1]
+    overrides = ["resources.default.cpus=2", "resources.report.cpus=1", f"resources.default.mem_mb={MEM_MB}",
+                 "resources.train.cpus=2", "train.cpu_procs=2", "train.batch_seqs=1"]  # 2 tasks x 1 CPU
+    cmd = ["--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
+           "--slurm-no-account", "--config", "experiment=smoke", f"results_root={exp.parent}",
+           f"overrides={json.dumps(overrides, separators=(',', ':'))}", str(stage_dir(exp, "train") / STAGE_MARKERS["train"])]  # fmt: skip
+    checkpoints = exp / ".work" / "train" / BRANCH / "checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)  # slurm_run's own (another resume key) would only be skipped
+    seen = {r["job"] for r in slurm_cluster.squeue()}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(pipeline_snakemake, repo, *cmd, cores=None, env=slurm_cluster.env, timeout=1800)
+        job, deadline = None, time.monotonic() + 1200
+        while time.monotonic() < deadline and not first.done():  # scancel once the first checkpoint is on disk
+            job = job or _running_job(slurm_cluster, job_comment("train"), seen)
+            if job and list(checkpoints.glob("step-*.pt")):
+                subprocess.run(["scancel", job], env=slurm_cluster.env, check=True, timeout=60)
+                break
+            time.sleep(0.2)
+        killed = first.result()
+    assert job is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert killed.returncode != 0, "the train job finished before scancel reached it"
+    assert not (stage_dir(exp, "train") / STAGE_MARKERS["train"]).exists()
+    resumed = pipeline_snakemake(repo, *cmd, cores=None, env=slurm_cluster.env, timeout=1800)
+    if resumed.returncode != 0:
+        pytest.fail(f"rerun after scancel failed:\n{failure_report(resumed, exp / 'logs', 'train-*.log')}")
+    log = (exp / "logs" / f"train-{BRANCH}.log").read_text()
+    assert "[draftforge.launch] srun --nodes=1 --ntasks=2 --ntasks-per-node=2" in log
+    step = re.search(r"resuming from \S+ \(step (\d+)\)", log)
+    assert step and 0 < int(step.group(1)) < reference["steps"], log[-3000:]
+    ours = json.loads((stage_dir(exp, "train") / STAGE_MARKERS["train"]).read_text())
+    assert ours["world_size"] == 2 and ours["global_batch"] == 2 and ours["steps"] == reference["steps"]
+    assert [h["step"] for h in ours["train_curve"]] == [h["step"] for h in reference["train_curve"]]
+    losses = [(h["loss"], r["loss"]) for h, r in zip(ours["train_curve"], reference["train_curve"])]
+    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in losses), losses

@@ -141,14 +141,35 @@ def test_extract_fans_out_into_part_jobs_and_a_merge(tmp_path: Path) -> None:
     output = dry_run(tmp_path, "experiment=smoke", 'overrides=["extract.jobs=3","extract.gpus=2"]', extra=("-p",))
     jobs = planned_jobs(output)
     assert jobs["extract_part"] == 3 and jobs["extract"] == 1
-    extract = [line for line in output.splitlines() if "-m draftforge.extract" in line]
+    extract = stage_commands(output, "extract")
     parts = sorted(int(m.group(1)) for c in extract if (m := re.search(r"extract\.part=(\d+)", c)))
     assert parts == [0, 1, 2]
-    assert all("--nproc_per_node 2" in c for c in extract if "extract.part=" in c)  # a part: the stage's GPUs
+    assert all("launch --nodes 1 --procs 2 --gpus extract" in c for c in extract if "extract.part=" in c)  # its GPUs
     merge = [c for c in extract if "extract.part=" not in c]
-    assert len(merge) == 1 and "torch.distributed" not in merge[0]  # the merge: one process, no GPU
-    train = next(line for line in output.splitlines() if "-m draftforge.train" in line)
+    assert len(merge) == 1 and "draftforge.launch" not in merge[0]  # the merge: one process, no GPU
+    train = stage_commands(output, "train")[0]
     assert "extract.jobs" not in train  # the shards train reads are the same for any number of parts
+
+
+def stage_commands(output: str, stage: str) -> list[str]:
+    """The dry-run's shell commands of `stage`: `-m draftforge.<stage>` or through `-m draftforge.launch`."""
+    pattern = rf"-m draftforge\.(?:{stage}|launch --nodes \d+ --procs \d+(?: --gpus)? {stage}) "
+    return [line for line in output.splitlines() if re.search(pattern, line)]
+
+
+def test_multi_process_jobs_ask_slurm_for_one_task_per_process(tmp_path: Path) -> None:
+    """train.nodes x cpu_procs processes: the rule asks for that many tasks (srun-started by draftforge.launch) of
+    threads / procs CPUs each; one-process stages ask for no tasks (the profile's `srun -n1` runs them)."""
+    overrides = '["train.cpu_procs=2","train.nodes=3","resources.default.cpus=1","resources.train.cpus=2"]'
+    output = dry_run(tmp_path, "experiment=smoke", f"overrides={overrides}", extra=("--forceall", "-p"))
+    blocks = rule_blocks(output)
+    assert re.search(r"mpi=srun, tasks=6, cpus_per_task=1, nodes=3\b", blocks["train"]), blocks["train"]
+    assert all("tasks=" not in b and "mpi=" not in b for s, b in blocks.items() if s != "train")
+    (train,) = stage_commands(output, "train")
+    assert "-m draftforge.launch --nodes 3 --procs 2 train experiment=smoke" in train
+    assert "OMP_NUM_THREADS=$(( 2 > 2 ? 2 / 2 : 1 ))" in train  # each process: its share of the job's threads
+    one_per_node = rule_blocks(dry_run(tmp_path, "experiment=smoke", 'overrides=["train.nodes=2"]', extra=("--forceall",)))
+    assert re.search(r"mpi=srun, tasks=2, cpus_per_task=2, nodes=2\b", one_per_node["train"]), one_per_node["train"]
 
 
 def test_a_cluster_run_without_cpus_fails_at_parse_naming_the_key(tmp_path: Path) -> None:

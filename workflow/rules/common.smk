@@ -107,10 +107,31 @@ def nprocs(stage):
     return n_gpus if n_gpus > 0 else max(1, int(CFG[stage].get("cpu_procs", 1)) if stage in CFG else 1)
 
 
+def nodes(stage):
+    """Nodes a stage's processes span: `train.nodes` (a SLURM run only, draftforge.launch); every other stage one."""
+    return int(CFG[stage].get("nodes", 1)) if stage in CFG else 1
+
+
+def task_resources(stage):
+    """A job of several processes asks SLURM for one task each (draftforge.launch starts them with srun): nodes x
+    procs tasks of threads / procs CPUs (as OMP_NUM_THREADS splits them locally), one GPU each where the stage
+    has GPUs. Nothing for a one-process job (the slurm profile's job step runs it with `srun -n1`). A local run
+    reads none of these keys."""
+    procs, n_nodes = job_nprocs(stage), 1 if merges(stage) else nodes(stage)
+    if procs * n_nodes <= 1:
+        return {}
+    out = {"mpi": "srun", "tasks": procs * n_nodes, "cpus_per_task": lambda wildcards, threads: max(1, threads // procs)}
+    if n_nodes > 1:
+        out["nodes"] = n_nodes
+    if gpus(stage):
+        out["tasks_per_gpu"] = 1
+    return out
+
+
 def job_gpus(stage):
     """GPUs the stage's job requests: its own `gpus` (its processes) or else `resources.<stage>.gpus` (curate's or
     baselines' vLLM on CUDA; never more processes); none for a merge."""
-    return 0 if merges(stage) else gpus(stage) or stage_resources(CFG.resources, stage).gpus
+    return 0 if merges(stage) else gpus(stage) * nodes(stage) or stage_resources(CFG.resources, stage).gpus
 
 
 def job_nprocs(stage):
@@ -118,18 +139,20 @@ def job_nprocs(stage):
 
 
 def stage_cmd(stage, drafter=None, part=None):
-    """Shell command running one stage (one branch of a per-drafter stage, or one extract part); torchrun when it
-    spans several processes or GPUs. Holds only what the config decides (no core counts), so it is safe to track
-    in params.
+    """Shell command running one stage (one branch of a per-drafter stage, or one extract part); draftforge.launch
+    (torchrun here, srun tasks in a SLURM job) when it spans several processes, nodes or GPUs. Holds only what
+    the config decides (no core counts, nothing of where it runs), so it is safe to track in params.
     """
     ignored = ignored_keys(cfg_of(drafter).drafter) if drafter else ()  # keys the branch's type never reads
     args = [f"experiment={EXPERIMENT}", f"results_root={RESULTS}", *stage_overrides(stage, OVERRIDES, ignored),
             *branch_overrides(drafter), *([f"extract.part={part}"] if part is not None else [])]
     quoted = " ".join(shlex.quote(a) for a in args)
     n_procs, n_gpus = (job_nprocs(stage), 0 if merges(stage) else gpus(stage)) if part is None else (nprocs(stage), gpus(stage))
-    if n_procs > 1 or n_gpus > 0:  # the stage's own GPUs: one process each
-        launch = f"{shlex.quote(PYTHON)} -m torch.distributed.run --standalone --nproc_per_node {n_procs}"
-        return f"{launch} -m draftforge.{stage} {quoted}"
+    n_nodes = 1 if merges(stage) and part is None else nodes(stage)
+    if n_procs * n_nodes > 1 or n_gpus > 0:  # the stage's own GPUs: one process each
+        gpu_flag = " --gpus" if n_gpus > 0 else ""
+        launch = f"{shlex.quote(PYTHON)} -m draftforge.launch --nodes {n_nodes} --procs {n_procs}{gpu_flag}"
+        return f"{launch} {stage} {quoted}"
     return f"{shlex.quote(PYTHON)} -m draftforge.{stage} {quoted}"
 
 

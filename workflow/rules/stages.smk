@@ -42,6 +42,7 @@ for _stage in STAGE_TABLE:
             gpu=job_gpus(_stage.name),
             timing=int(_stage.timing),
             **scheduler_resources(_stage.name),
+            **task_resources(_stage.name),
         shell:
             STAGE_SHELL
 
@@ -68,5 +69,6 @@ if EXTRACT_JOBS > 1:
             gpu=gpus("extract"),
             timing=0,
             **scheduler_resources("extract"),
+            **task_resources("extract"),
         shell:
             STAGE_SHELL

@@ -17,7 +17,10 @@ from draftforge.errors import check
 @dataclass
 class TrainConfig:
     gpus: int = 0  # 0 = CPU (gloo, cpu_procs processes); N = torchrun over N GPUs (NCCL)
-    cpu_procs: int = 1
+    cpu_procs: int = 1  # processes on the CPU (per node)
+    # Nodes the job spans: a SLURM run only (one srun task per process, draftforge.launch; docs/cluster.md).
+    # World = nodes x (gpus or cpu_procs); the global batch is batch_seqs x world.
+    nodes: int = 1
     device: str = "auto"  # auto (cuda:LOCAL_RANK when CUDA exists and gpus > 0) | cpu | cuda
     # offline: read the extract stage's feature store. online: the target runs beside the drafter and
     # computes the tapped features of each batch from the curate shards (no extract stage, no store).
@@ -79,6 +82,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check(self.gpus >= 0, "train.gpus", f"{self.gpus} must be >= 0")
         check(self.cpu_procs >= 1, "train.cpu_procs", f"{self.cpu_procs} must be >= 1")
+        check(self.nodes >= 1, "train.nodes", f"{self.nodes} must be >= 1")
         check(self.device in ("auto", "cpu", "cuda"), "train.device", f"{self.device!r}: use one of auto, cpu, cuda")
         check(self.lr > 0, "train.lr", f"{self.lr} must be > 0")
         check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}: use -1 (all epochs) or >= 1")

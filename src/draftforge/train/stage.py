@@ -117,7 +117,7 @@ def main(ctx, free_bytes: FreeBytes = disk_free) -> None:
 FEATURE_MODES = ("offline", "online")
 
 # Knobs that do not change what is computed (a resumed run may change them freely).
-_NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus",
+_NOT_IN_RESUME_KEY = ("log_every", "eval_every", "ckpt_every", "keep_checkpoints", "prefetch", "cpu_procs", "gpus", "nodes",
                       "device", "dist_timeout_min", "export_dtype", "val_max_seqs", "val_num_anchors",
                       "mtp_steps", "mtp_batch_seqs", "mtp_lr", "mtp_depth", "mtp_rows", "mtp_val_drafts", "mtp_eval_every")
 
