@@ -49,7 +49,7 @@ def test_every_stage_wrote_its_outputs(smoke_repo: Path) -> None:
     assert list((exp / "curate").glob("train-*.parquet"))
     assert list((exp / "extract").glob("shard-*.safetensors"))
     assert (exp / "train" / "dflash" / "drafter" / "config.json").is_file()
-    for png in ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png"):
+    for png in ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png", "acceptance_by_position.png"):
         assert (exp / "report" / png).stat().st_size > 1000
 
 

@@ -47,3 +47,17 @@ def test_vs_mtp_compares_the_calibrated_tree_not_the_oracle():
     assert vs_mtp(rows)["humaneval"]["ddtree_tokens_per_s"] == 12.0  # auto @8, not the oracle's 15.0 @16
     unflagged = [{**r, "auto_budget": False} for r in rows]  # no calibration: the fastest tree, as before
     assert vs_mtp(unflagged)["humaneval"]["ddtree_tokens_per_s"] == 15.0
+
+
+def test_position_acceptance_from_the_engine_histogram_and_from_vllm_counters() -> None:
+    from draftforge.report.plots import position_acceptance
+
+    # tokens committed per round 1, 1, 2, 4 → accepted drafts 0, 0, 1, 3: τ = 2
+    engine = {"method": "dflash", "tau_histogram": {"1": 2, "2": 1, "4": 1}, "tau": 2.0}
+    per_pos = position_acceptance(engine)
+    assert per_pos == [0.5, 0.25, 0.25]
+    assert sum(per_pos) == engine["tau"] - 1  # a round's accepted drafts = Σ_k 1[draft k accepted]
+    vllm = {"method": "ngram", "acceptance_per_pos": [0.6, 0.3], "tau_histogram": None}
+    assert position_acceptance(vllm) == [0.6, 0.3]  # vLLM's own counters, the same definition
+    assert position_acceptance({"method": "dflash", "tau_histogram": {"1": 5}}) == [0.0]  # no draft ever accepted
+    assert position_acceptance({"method": "ar"}) == []

@@ -87,7 +87,8 @@ def test_plots_of_a_removed_branch_leave_the_report(tmp_path):
     assert (report_dir / "training_curve_dspark.png").is_file()
     text = _report(root, "[dflash]", "tracking.enabled=false")
     assert "training_curve_dspark" not in text
-    assert sorted(p.name for p in report_dir.glob("*.png")) == ["acceptance_hist.png", "ddtree_budget.png",
-                                                                 "tokens_per_s.png", "training_curve_dflash.png"]
+    assert sorted(p.name for p in report_dir.glob("*.png")) == ["acceptance_by_position.png", "acceptance_hist.png",
+                                                                 "ddtree_budget.png", "tokens_per_s.png",
+                                                                 "training_curve_dflash.png"]
     _report(root, "[dflash]", "tracking.enabled=false", "report.plots=false")
     assert not list(report_dir.glob("*.png"))  # plots off: none of an earlier report's plots stays beside it

@@ -1,4 +1,5 @@
-"""PNG plots of the summary: tokens/s by method, τ and speedup vs DDTree budget, τ histograms, training curve."""
+"""PNG plots of the summary: tokens/s by method, τ and speedup vs DDTree budget, τ histograms, acceptance by draft
+position, training curve."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from draftforge.drafter.registry import reference_type, tree_methods  # noqa: E402
 from draftforge.io import atomic_path  # noqa: E402
@@ -124,6 +126,45 @@ def acceptance_histograms(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.set_title(f"{r.get('dataset')} {_label(r)}", fontsize=8)
         ax.set_xlabel("tokens committed per round", fontsize=7)
     fig.suptitle("Acceptance-length histograms")
+    return _save(fig, path)
+
+
+def position_acceptance(row: dict[str, Any]) -> list[float]:
+    """[P(draft k accepted) for k = 1, 2, ...]: the share of rounds whose first k drafts were all accepted (a chain's
+    position k, a tree's depth k), vLLM's `acceptance_per_pos` definition. From the engine's histogram of tokens
+    committed per round (accepted drafts + the bonus token) or, for a vLLM row, its own per-position counters.
+    Its sum is τ − 1; empty for a row with neither (AR)."""
+    if row.get("acceptance_per_pos"):
+        return [float(v) for v in row["acceptance_per_pos"]]
+    h = row.get("tau_histogram")
+    if not isinstance(h, dict) or not h:
+        return []
+    counts = {int(k) - 1: float(v) for k, v in h.items()}  # accepted drafts per round → rounds
+    rounds = sum(counts.values())
+    deepest = max(max(counts), 1)  # a drafter that never got a draft accepted: [0.0]
+    return [sum(v for n, v in counts.items() if n >= k) / rounds for k in range(1, deepest + 1)] if rounds else []
+
+
+def acceptance_by_position(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Per dataset: P(draft k accepted) against draft position (chains) / tree depth (trees), one line per
+    method, budget and engine: where each drafter loses its drafts, not only how many it keeps."""
+    ok = [r for r in rows if r.get("status", "ok") == "ok" and r.get("method") != "ar" and position_acceptance(r)]
+    datasets = sorted({str(r.get("dataset")) for r in ok}) or ["(no drafted rows)"]
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.2 * len(datasets), 4.2), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for r in (r for r in ok if str(r.get("dataset")) == dataset):
+            per_pos = position_acceptance(r)
+            style = "-" if r["engine"] == "draftforge" else "--"
+            ax.plot(range(1, len(per_pos) + 1), per_pos, style, marker="o", markersize=3, label=_label(r))
+        ax.set_title(dataset)
+        ax.set_xlabel("draft position (chain) / depth (tree)")
+        ax.set_ylabel("P(draft accepted): rounds reaching it ÷ rounds")
+        ax.set_ylim(0, 1)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    fig.suptitle("Acceptance by draft position (solid: draftforge engine, dashed: vLLM); each line sums to τ − 1")
     return _save(fig, path)
 
 

@@ -102,7 +102,7 @@ def mlflow_links(results_root: Path, experiment: str, base_url: str, branches: l
 
 # The plot files the report writes into its folder (training curves: one per branch). The folder is the
 # report's own, so a plot it did not write this time (a removed branch, plots switched off) is stale.
-PLOT_FILES = ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png")
+PLOT_FILES = ("tokens_per_s.png", "ddtree_budget.png", "acceptance_hist.png", "acceptance_by_position.png")
 
 
 def remove_stale_plots(out_dir: Path, figures: dict[str, Path]) -> list[Path]:
@@ -231,6 +231,7 @@ def build_report(ctx) -> dict[str, Any]:
         figures["tokens_per_s"] = plots.tokens_per_s_by_method(rows, ctx.out_dir / "tokens_per_s.png")
         figures["ddtree_budget"] = plots.ddtree_budget_sweep(rows, ctx.out_dir / "ddtree_budget.png")
         figures["acceptance"] = plots.acceptance_histograms(rows, ctx.out_dir / "acceptance_hist.png")
+        figures["acceptance_by_position"] = plots.acceptance_by_position(rows, ctx.out_dir / "acceptance_by_position.png")
         for name, t in trains.items():
             history = training_history(t)
             if history:
