@@ -15,6 +15,8 @@ built from the eval records, calibration records only choose the auto budget (ev
   tokens are deterministic, repeats only re-time; `repeat_mismatches` counts responses of later
   repeats whose tokens differ from the first's — 0 expected at T = 0).
 - lossless_mismatches (T = 0 only): responses whose tokens differ from AR's on the same prompt/turn.
+- by_category (records with a `category`): per prompt category, τ, rounds, prompts and speedup_vs_ar computed
+  as the row's from that category's responses only (a set's single category repeats the row's figures).
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def _tokens_per_s(rs: list[dict[str, Any]]) -> float | None:
     return sum(r["n_decode"] for r in rs) / decode_s if decode_s > 0 else None
 
 
+def _speedups(rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) over repeats of mean TPOT(AR) ÷ mean TPOT(method), each repeat's pair side by side."""
+    base = {k: _mean([r["tpot_s"] for r in rep]) for k, rep in _by_repeat(ar_rs).items()}
+    mine = {k: _mean([r["tpot_s"] for r in rep]) for k, rep in _by_repeat(rs).items()}
+    return _spread([base[k] / t for k, t in mine.items() if base.get(k) and t])
+
+
+def by_category(all_rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]], first_repeat: int) -> dict[str, dict[str, Any]]:
+    """{category: {tau, rounds, n_prompts, speedup_vs_ar}} of one row's responses (empty when none has one)."""
+    out: dict[str, dict[str, Any]] = {}
+    for cat in sorted({str(r["category"]) for r in all_rs if r.get("category") is not None}):
+        rs = [r for r in all_rs if r.get("category") == cat]
+        accepts = [a for r in rs if int(r.get("repeat", 0)) == first_repeat for a in r["accept_lengths"]]
+        out[cat] = {"tau": sum(accepts) / len(accepts) if accepts else None, "rounds": len(accepts),
+                    "n_prompts": len({r["prompt_index"] for r in rs}),
+                    "speedup_vs_ar": _speedups(rs, [r for r in ar_rs if r.get("category") == cat])[0]}
+    return out
+
+
 def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibration_prompts: int = 0) -> list[Row]:
     """Rows of the eval records (all repeats); calibration records (split "calibration") choose the
     auto budget when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0."""
@@ -83,8 +104,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
     first = {k: [r for r in rs if int(r.get("repeat", 0)) == first_repeat] for k, rs in groups.items()}
     ar_tokens = {(r["dataset"], float(r["temperature"]), r["prompt_index"], r["turn"]): r["tokens"]
                  for r in records if r["method"] == "ar" and int(r.get("repeat", 0)) == first_repeat}
-    ar_tpot = {(d, t): {k: _mean([r["tpot_s"] for r in rep]) for k, rep in _by_repeat(rs).items()}
-               for (d, t, m, _), rs in groups.items() if m == "ar"}  # fmt: skip
+    ar_records = {(d, t): rs for (d, t, m, _), rs in groups.items() if m == "ar"}
     rows: list[Row] = []
     order = method_order()  # ar, the chains, then the trees by budget
     for (dataset, temp, method, budget), all_rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 9), kv[0][3] or 0)):
@@ -93,9 +113,8 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
         accepts = [a for r in rs for a in r["accept_lengths"]]
         decode_tokens = sum(r["n_decode"] for r in rs)
         tps, tps_min, tps_max = _spread([_tokens_per_s(rep) for rep in reps.values()])
-        tpots = {k: _mean([r["tpot_s"] for r in rep]) for k, rep in reps.items()}
-        base = ar_tpot.get((dataset, temp), {})
-        speedup, speedup_min, speedup_max = _spread([base[k] / t for k, t in tpots.items() if base.get(k) and t])
+        ar_rs = ar_records.get((dataset, temp), [])
+        speedup, speedup_min, speedup_max = _speedups(all_rs, ar_rs)
         mismatches = None
         mismatch_at: list[int] = []
         if temp == 0.0:
@@ -117,7 +136,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
         rows.append(new_row(
             dataset, method, engine, temp, budget=budget,
             tokens_per_s=tps, tokens_per_s_min=tps_min, tokens_per_s_max=tps_max,
-            tpot_ms=_ms(_median(list(tpots.values()))),
+            tpot_ms=_ms(_median([_mean([r["tpot_s"] for r in rep]) for rep in reps.values()])),
             ttft_ms=_ms(_median([_mean([r["ttft_s"] for r in rep]) for rep in reps.values()])),
             tau=sum(accepts) / len(accepts) if accepts else None,
             speedup_vs_ar=speedup, speedup_vs_ar_min=speedup_min, speedup_vs_ar_max=speedup_max,
@@ -129,6 +148,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
             stage_ms=stage_ms, round_ms=round_ms,
             overhead_pct=100.0 * overhead / round_ms if round_ms and method != "ar" else None,
             draft_prefill_ms=_ms(_median([_mean([r["draft_prefill_s"] for r in rep]) for rep in reps.values()])) if method != "ar" else None,
+            by_category=by_category(all_rs, ar_rs, first_repeat),
         ))  # fmt: skip
         source_key = source_key_of_method(method)  # whose weights ran it (an MTP row: native / trained)
         if source_key:

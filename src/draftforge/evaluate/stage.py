@@ -37,7 +37,7 @@ from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.config import EvaluateConfig
-from draftforge.evaluate.prompts import eval_and_calibration_sets
+from draftforge.evaluate.prompts import category_of, eval_and_calibration_sets
 from draftforge.evaluate.resume import clear_finished, dataset_key, load_finished, save_finished
 from draftforge.evaluate.runner import EngineSet, calibration_plan, method_plan, run_dataset
 from draftforge.io import write_json
@@ -247,6 +247,9 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
         records = gather_records(ctx, records)
         if not ctx.is_rank0:
             continue
+        categories = category_of(dataset, cfg)  # by pool index (prompts.py), one per set or one per prompt
+        for r in records:
+            r["category"] = categories if isinstance(categories, str) else categories[r["prompt_index"]]
         rows = aggregate(records, calibration_prompts=cfg.calibration_prompts)
         for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
             row["drafter"] = ctx.drafter

@@ -13,6 +13,7 @@ from draftforge.drafter.settings import listed_drafters
 from draftforge.io import read_json, write_json, write_text
 from draftforge.paths import CONF_DIR, mlflow_uri
 from draftforge.report import plots
+from draftforge.report.categories import category_csv, category_lines
 from draftforge.report.headline import headline_lines
 from draftforge.report.parity import parity_block
 from draftforge.report.rows import (
@@ -266,6 +267,9 @@ def build_report(ctx) -> dict[str, Any]:
         "Each cell: speedup = τ ÷ round cost, the round in AR steps of the same engine and branch.",
         *headline_lines(rows, choices),
         "",
+        "## By prompt category (T = 0; the headline's rows: speedup× (τ) over each category's prompts only)",
+        *(category_lines(rows, choices) or ["- (no row carries prompt categories)"]),
+        "",
         f"## Tree budget per dataset, drafter and tree method: {AUTO_NAME} vs {BEST_NAME}",
         *(budget_choice_lines(choices) or ["- (no DDTree rows)"]),
         "",
@@ -286,6 +290,7 @@ def build_report(ctx) -> dict[str, Any]:
         "",
     ])  # fmt: skip
     write_text(ctx.out_dir / "summary.csv", summary_csv(rows))
+    write_text(ctx.out_dir / "by_category.csv", category_csv(rows))
     write_json(ctx.out_dir / "parity.json", parity)
     return {"text": text, "rows": rows, "figures": figures, "parity": parity, "vs_mtp": mtp_table, "budget_choices": choices}
 
