@@ -83,3 +83,28 @@ def test_report_table_and_csv_by_category() -> None:
     assert {(t["method"], t["category"]) for t in table} == {("ar", "math"), ("ar", "coding"), ("dflash", "math"),
                                                             ("dflash", "coding")}
     assert category_lines([{**r, "by_category": {}} for r in rows], []) == []
+
+
+def test_long_context_prompts_reach_their_size_and_carry_their_kind() -> None:
+    from draftforge.config import compose
+    from draftforge.evaluate.long_context import CHARS_PER_TOKEN, CODE, CONVERSATIONS
+    from draftforge.evaluate.prompts import load_prompt_set
+
+    cfg = compose("default", ["evaluate.long_context.min_tokens=1024", "evaluate.long_context.size=4"])
+    prompts, categories = load_prompt_set("long_context", cfg), category_of("long_context", cfg)
+    assert categories == [CODE, CONVERSATIONS, CODE, CONVERSATIONS]
+    assert all(len(p) == 1 and len(p[0]["content"]) >= 1024 * CHARS_PER_TOKEN for p in prompts)
+    assert prompts[0][0]["content"].startswith("The opening of the Python module `")
+    assert prompts[1][0]["content"].startswith("Conversation 1:\nA: ")
+    assert load_prompt_set("long_context", cfg) == prompts  # deterministic
+    with pytest.raises(Exception, match="evaluate.long_context.min_tokens=100000000: no stdlib module"):
+        load_prompt_set("long_context", compose("default", ["evaluate.long_context.min_tokens=100000000"]))
+
+
+def test_the_category_table_shows_each_columns_prompt_length() -> None:
+    records = [_rec("ar", None, 0, "math", 0.4, (1, 1, 1, 1)), _rec("dflash", None, 0, "math", 0.2, (3, 1))]
+    for r in records:
+        r["prompt_len"] = 4321
+    rows = aggregate(records)
+    assert rows[0]["prompt_tokens"] == 4321
+    assert category_lines(rows, [])[0] == "| engine | drafter / method | mt · math (~4,321 tok) |"

@@ -15,8 +15,10 @@ built from the eval records, calibration records only choose the auto budget (ev
   tokens are deterministic, repeats only re-time; `repeat_mismatches` counts responses of later
   repeats whose tokens differ from the first's — 0 expected at T = 0).
 - lossless_mismatches (T = 0 only): responses whose tokens differ from AR's on the same prompt/turn.
-- by_category (records with a `category`): per prompt category, τ, rounds, prompts and speedup_vs_ar computed
-  as the row's from that category's responses only (a set's single category repeats the row's figures).
+- prompt_tokens: the mean prompt length (tokens, each turn's whole context) of the row's responses.
+- by_category (records with a `category`): per prompt category, τ, rounds, prompts, prompt_tokens and
+  speedup_vs_ar computed as the row's from that category's responses only (a set's single category repeats
+  the row's figures).
 """
 
 from __future__ import annotations
@@ -81,13 +83,14 @@ def _speedups(rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]]) -> tuple[fl
 
 
 def by_category(all_rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]], first_repeat: int) -> dict[str, dict[str, Any]]:
-    """{category: {tau, rounds, n_prompts, speedup_vs_ar}} of one row's responses (empty when none has one)."""
+    """{category: {tau, rounds, n_prompts, prompt_tokens (mean), speedup_vs_ar}} of one row's responses (empty
+    when none has a category)."""
     out: dict[str, dict[str, Any]] = {}
     for cat in sorted({str(r["category"]) for r in all_rs if r.get("category") is not None}):
         rs = [r for r in all_rs if r.get("category") == cat]
         accepts = [a for r in rs if int(r.get("repeat", 0)) == first_repeat for a in r["accept_lengths"]]
         out[cat] = {"tau": sum(accepts) / len(accepts) if accepts else None, "rounds": len(accepts),
-                    "n_prompts": len({r["prompt_index"] for r in rs}),
+                    "n_prompts": len({r["prompt_index"] for r in rs}), "prompt_tokens": _mean([r.get("prompt_len") for r in rs]),
                     "speedup_vs_ar": _speedups(rs, [r for r in ar_rs if r.get("category") == cat])[0]}
     return out
 
@@ -143,6 +146,7 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
             repeats=len(reps), repeat_mismatches=repeat_mismatches,
             lossless_mismatches=mismatches, mismatch_positions=mismatch_at,
             n_prompts=len({r["prompt_index"] for r in rs}), n_responses=len(rs),
+            prompt_tokens=_mean([r.get("prompt_len") for r in rs]),
             decode_tokens=decode_tokens, rounds=len(accepts),
             tau_histogram={str(k): v for k, v in sorted(Counter(accepts).items())},
             stage_ms=stage_ms, round_ms=round_ms,

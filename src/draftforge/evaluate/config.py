@@ -56,8 +56,23 @@ class ChitchatEvalConfig:
 
 
 @dataclass
+class LongContextEvalConfig:
+    """The `long_context` set (evaluate/long_context.py): stdlib-source and chat-transcript prompts of at least
+    min_tokens tokens; `size` prompts, half of each kind. Not in the default `datasets` (on 2 CPU cores one such
+    prompt costs every method a ~10 s prefill): add it (`evaluate.datasets=[...,long_context]`)."""
+
+    min_tokens: int = 4096
+    size: int = 8
+
+    def __post_init__(self) -> None:
+        check(self.min_tokens >= 1, "evaluate.long_context.min_tokens", f"{self.min_tokens} must be >= 1")
+        check(self.size >= 1, "evaluate.long_context.size", f"{self.size} must be >= 1")
+
+
+@dataclass
 class EvaluateConfig:
-    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat, mt_bench (80 two-turn questions).
+    # Packaged default-world sets: humaneval, gsm_symbolic, chitchat, mt_bench (80 two-turn questions); also
+    # packaged, not run by default: long_context (prompts >= long_context.min_tokens tokens).
     # Local-file sets (path in dataset_files): gsm8k, math500, humaneval_file, mbpp, mtbench, alpaca.
     datasets: List[str] = field(default_factory=lambda: ["humaneval", "gsm_symbolic", "chitchat", "mt_bench"])
     dataset_files: Dict[str, str] = field(default_factory=dict)
@@ -83,6 +98,7 @@ class EvaluateConfig:
     engine_capacity: int = 4096  # captured: KV rows (prompt + max_new_tokens + largest verify must fit)
     gsm_symbolic: GsmSymbolicEvalConfig = field(default_factory=GsmSymbolicEvalConfig)
     chitchat: ChitchatEvalConfig = field(default_factory=ChitchatEvalConfig)
+    long_context: LongContextEvalConfig = field(default_factory=LongContextEvalConfig)
     # Evaluate a drafter trained in another chat mode (target.chat_template_kwargs) anyway: rows carry
     # `chat_mode_mismatch`; false refuses it in one line (draftforge.chat.check_served).
     allow_chat_mode_mismatch: bool = False

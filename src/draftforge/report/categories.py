@@ -2,8 +2,9 @@
 
 Evaluate rows carry `by_category` (evaluate/aggregate.py: each category's τ, rounds, prompts and speedup over
 that category's responses only). The report shows, for the headline's cells (a chain method's row, a tree
-method's row at the auto budget; report/headline.py), one column per (set, category) at T = 0, and writes
-every category figure of every row to by_category.csv.
+method's row at the auto budget; report/headline.py), one column per (set, category) at T = 0 with its mean
+prompt length (τ and speedup against prompt length: the long_context set's columns beside the short sets'),
+and writes every category figure of every row to by_category.csv.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 from draftforge.report.headline import headline_cells
 from draftforge.report.rows import to_float
 
-CSV_COLUMNS = ("dataset", "category", "engine", "drafter", "method", "budget", "temperature", "n_prompts", "rounds",
-               "tau", "speedup_vs_ar")  # fmt: skip
+CSV_COLUMNS = ("dataset", "category", "engine", "drafter", "method", "budget", "temperature", "n_prompts",
+               "prompt_tokens", "rounds", "tau", "speedup_vs_ar")  # fmt: skip
 
 
 def category_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -25,7 +26,7 @@ def category_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         for category, stats in sorted((r.get("by_category") or {}).items()):
             out.append({**{k: r.get(k) for k in ("dataset", "engine", "drafter", "method", "budget", "temperature")},
-                        "category": category, **{k: stats.get(k) for k in ("n_prompts", "rounds", "tau", "speedup_vs_ar")}})
+                        "category": category, **{k: stats.get(k) for k in CSV_COLUMNS[7:]}})
     return out
 
 
@@ -50,7 +51,9 @@ def category_lines(rows: list[dict[str, Any]], choices: list[dict[str, Any]]) ->
     columns = sorted({col for per in table.values() for col in per})
     if not columns:
         return []
-    head = ["engine", "drafter / method"] + [f"{d} · {c}" for d, c in columns]
+    tokens = {col: stats.get("prompt_tokens") for per in table.values() for col, stats in per.items()}
+    head = ["engine", "drafter / method"] + [f"{d} · {c}" + (f" (~{tokens[(d, c)]:,.0f} tok)" if tokens.get((d, c)) else "")
+                                             for d, c in columns]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (engine, drafter, method), per in sorted(table.items(), key=lambda kv: tuple(str(k) for k in kv[0])):
         label = f"{drafter} / `{method}`" if drafter else f"`{method}`"
