@@ -135,9 +135,10 @@ def test_training_over_two_srun_tasks_resumes_after_scancel_and_follows_one_proc
     repo = exp.parents[1]
     overrides = ["resources.default.cpus=2", "resources.report.cpus=1", f"resources.default.mem_mb={MEM_MB}",
                  "resources.train.cpus=2", "train.cpu_procs=2", "train.batch_seqs=1"]  # 2 tasks x 1 CPU
-    cmd = ["--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
+    cmd = [str(stage_dir(exp, "train") / STAGE_MARKERS["train"]),  # the target first: --config takes what follows it
+           "--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
            "--slurm-no-account", "--config", "experiment=smoke", f"results_root={exp.parent}",
-           f"overrides={json.dumps(overrides, separators=(',', ':'))}", str(stage_dir(exp, "train") / STAGE_MARKERS["train"])]  # fmt: skip
+           f"overrides={json.dumps(overrides, separators=(',', ':'))}"]  # fmt: skip
     checkpoints = exp / ".work" / "train" / BRANCH / "checkpoints"
     shutil.rmtree(checkpoints, ignore_errors=True)  # slurm_run's own (another resume key) would only be skipped
     seen = {r["job"] for r in slurm_cluster.squeue()}
