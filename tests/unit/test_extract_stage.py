@@ -139,7 +139,7 @@ def test_corrupt_resumed_shard_is_recomputed(tmp_path, full_run, tiny_target_inf
 
 def test_reader_refuses_mismatches(full_run, tiny_target_info):
     root, _, _ = full_run
-    with pytest.raises(StageError, match=r"index\.json: features were extracted from target 5"):
+    with pytest.raises(StageError, match=r"index\.json: features were extracted from target [0-9a-f]{12}, not the requested target 0{12}"):
         FeatureReader(root / EXPERIMENT / "extract", target_fingerprint="0" * 64, target_layer_ids=TAPS)
     with pytest.raises(StageError, match=r"tapped layers \[1, 2\] != requested target_layer_ids \[0, 2\]"):
         FeatureReader(root / EXPERIMENT / "extract", target_fingerprint=tiny_target_info["fingerprint"],

@@ -66,6 +66,7 @@ def test_curate_holds_out_the_experiment_chitchat_fraction(tmp_path, per_10k: in
 
     from omegaconf import OmegaConf
 
+    from draftforge.chat import ChatMode
     from draftforge.config import compose
     from draftforge.curate.stage import build_selection, curate_config
 
@@ -75,7 +76,7 @@ def test_curate_holds_out_the_experiment_chitchat_fraction(tmp_path, per_10k: in
         "sources": [{"name": "chitchat", "kind": "chitchat", "sample": 1e-12, "options": {"max_turns": 3}}],
         "max_rows": None, "decontam": {"enabled": False}, "filters": {"on_empty_source": "warn"},
     })  # fmt: skip
-    _, stats = build_selection(tmp_path, cfg, curate_config(cfg), None, "fingerprint", False)
+    _, stats = build_selection(tmp_path, cfg, curate_config(cfg), None, "fingerprint", False, ChatMode())
     ids = json.loads((Path(importlib.util.find_spec("chitchat_dataset").origin).parent / "dataset.json").read_text())
     want = sum(int(hashlib.sha256(i.encode()).hexdigest()[:8], 16) % 10000 < per_10k for i in ids)
     assert 0 < want < len(ids)
