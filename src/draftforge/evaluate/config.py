@@ -59,7 +59,7 @@ class ChitchatEvalConfig:
 class LongContextEvalConfig:
     """The `long_context` set (evaluate/long_context.py): stdlib-source and chat-transcript prompts of at least
     min_tokens tokens; `size` prompts, half of each kind. Not in the default `datasets` (on 2 CPU cores one such
-    prompt costs every method a ~10 s prefill): add it (`evaluate.datasets=[...,long_context]`)."""
+    prompt's prefill took 48 s for 5,000 tokens of the 135M target, for every method and repeat): add it (`evaluate.datasets=[...,long_context]`)."""
 
     min_tokens: int = 4096
     size: int = 8
