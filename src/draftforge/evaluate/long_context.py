@@ -28,11 +28,16 @@ CODE_ASK = "Explain what this code does, section by section."
 CHAT_ASK = "Summarise each conversation above in one sentence, in order."
 
 
-def stdlib_sources(min_chars: int) -> list[tuple[str, str]]:
-    """(module name, source) of the interpreter's stdlib modules at least `min_chars` long, in name order."""
+def stdlib_sources(min_chars: int, n: int) -> list[tuple[str, str]]:
+    """(module name, source) of the first `n` stdlib modules, in name order, at least `min_chars` long (files
+    shorter on disk than that are never read)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
+    out: list[tuple[str, str]] = []
     for path in sorted(root.glob("*.py")):
+        if len(out) >= n:
+            break
+        if path.stat().st_size < min_chars:  # bytes >= characters: too short either way
+            continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(text) >= min_chars:
             out.append((path.stem, text))
@@ -47,7 +52,7 @@ def cut_at_line(text: str, min_chars: int) -> str:
 
 def code_prompts(min_chars: int, n: int) -> list[Messages]:
     out = []
-    for name, source in stdlib_sources(min_chars)[:n]:
+    for name, source in stdlib_sources(min_chars, n):
         body = cut_at_line(source, min_chars)
         out.append([{"role": "user", "content": f"The opening of the Python module `{name}`:\n\n```python\n{body}\n"
                                                 f"```\n\n{CODE_ASK}"}])
