@@ -24,28 +24,38 @@ def _args(root: Path, *extra: str) -> list[str]:
 
 
 def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
+    """T = 0 on both sets; T = 0.8 on the sampled subset (chitchat's first prompt) with the lossless check."""
     tiny_pipeline(tmp_path)
-    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]", "evaluate.calibration_prompts=2"))
+    run_stage("evaluate", main, argv=_args(tmp_path, "evaluate.temperatures=[0.0,0.8]", "evaluate.calibration_prompts=2",
+                                           "evaluate.sampled_datasets=[chitchat]", "evaluate.sampled_prompts=1"))
     out = tmp_path / "smoke" / "evaluate" / "dflash"
     marker = json.loads((out / "evaluate.json").read_text())
     assert marker["datasets"] == ["chitchat", "gsm_symbolic"]
     rows = marker["rows"]
-    assert len(rows) == 2 * 2 * 4  # datasets × temperatures × (ar, dflash, ddtree@1, ddtree@32)
+    assert len(rows) == (2 + 1) * 4  # (datasets at T = 0, chitchat at T = 0.8) × (ar, dflash, ddtree@1, ddtree@32)
     for row in rows:
-        assert set(ROW_KEYS) <= set(row) and row["engine"] == "draftforge" and row["n_prompts"] == 2
+        assert set(ROW_KEYS) <= set(row) and row["engine"] == "draftforge"
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
         if row["temperature"] == 0.0:
             assert row["lossless_mismatches"] == 0, row  # fp32 CPU: exact
+            assert row["n_prompts"] == 2 and "sampling_check" not in row
         else:
-            assert row["lossless_mismatches"] is None
+            assert row["dataset"] == "chitchat" and row["n_prompts"] == 1 and row["lossless_mismatches"] is None
+            assert row["sampling_check"]["n"] == sum(r["n_tokens"] for r in json.loads((out / "chitchat.json").read_text())["responses"]
+                                                     if r["split"] == "eval" and r["repeat"] == 0 and r["temperature"] == 0.8
+                                                     and (r["method"], r["budget"]) == (row["method"], row["budget"]))  # fmt: skip
+    checks = marker["sampling_checks"]  # pooled per method: eval and calibration responses at T = 0.8
+    assert [(c["temperature"], c["method"]) for c in checks] == [(0.8, m) for m in ("ar", "ddtree", "dflash")]
+    assert all(c["passed"] in (True, None) and c["n"] > 0 for c in checks), checks
     ar = [r for r in rows if r["method"] == "ar"]
     assert all(r["tau"] == 1.0 and r["speedup_vs_ar"] == pytest.approx(1.0) for r in ar)
-    assert sum(r.get("best_budget", False) for r in rows) == 4  # one best budget per dataset × temperature
+    assert sum(r.get("best_budget", False) for r in rows) == 3  # one best budget per dataset × temperature run
     per = json.loads((out / "chitchat.json").read_text())
     first = [r for r in per["responses"] if r["split"] == "eval" and r["repeat"] == 0]
-    assert len(first) == 2 * 2 * 4 and "best" in per["note"] and "auto" in per["note"]
+    assert len(first) == 2 * 4 + 1 * 4 and "best" in per["note"] and "auto" in per["note"]
+    assert all(bool(r.get("pit")) == (r["temperature"] > 0) for r in first)
     repeats = {r["repeat"] for r in per["responses"]}
-    assert len(per["responses"]) == len(repeats) * (2 * 2 * 4 + 2 * 2 * 2)  # + calibration: 2 T × 2 prompts × 2 budgets
+    assert len(per["responses"]) == len(repeats) * (2 * 4 + 1 * 4 + 2 * 2 * 2)  # + calibration: 2 T × 2 prompts × 2 budgets
     assert all(r["repeats"] == len(repeats) for r in rows)
     assert sum(r["auto_budget"] for r in rows if r["dataset"] == "chitchat" and r["temperature"] == 0.0 and r["method"] == "ddtree") == 1
     resp = first[0]
@@ -55,7 +65,7 @@ def test_stage_writes_rows_lossless_and_marker_last(tmp_path):
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["draftforge/smoke"], filter_string="tags.stage = 'evaluate'")
-    assert len(runs) == 16
+    assert len(runs) == 12
     assert set(runs["tags.engine"]) == {"draftforge"}
     assert set(runs["tags.method"]) == {"ar", "dflash", "ddtree"}
     assert set(runs["tags.budget"]) == {"", "1", "32"} and set(runs["tags.dataset"]) == {"chitchat", "gsm_symbolic"}

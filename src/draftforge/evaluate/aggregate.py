@@ -16,6 +16,8 @@ built from the eval records, calibration records only choose the auto budget (ev
   repeats whose tokens differ from the first's — 0 expected at T = 0).
 - lossless_mismatches (T = 0 only): responses whose tokens differ from AR's on the same prompt/turn.
 - prompt_tokens: the mean prompt length (tokens, each turn's whole context) of the row's responses.
+- sampling_check (T > 0, records with `pit` values): the χ² uniformity test of the row's PIT values
+  (evaluate/sampling_check.py), the lossless check at T > 0.
 - by_category (records with a `category`): per prompt category, τ, rounds, prompts, prompt_tokens and
   speedup_vs_ar computed as the row's from that category's responses only (a set's single category repeats
   the row's figures).
@@ -30,6 +32,7 @@ from typing import Any, Sequence
 
 from draftforge.drafter.registry import method_order, source_key_of_method, tree_methods
 from draftforge.evaluate.budget import mark_auto
+from draftforge.evaluate.sampling_check import uniformity
 from draftforge.rows import Row, new_row
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -95,9 +98,11 @@ def by_category(all_rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]], first
     return out
 
 
-def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibration_prompts: int = 0) -> list[Row]:
+def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibration_prompts: int = 0,
+              check_bins: int = 10, check_alpha: float = 0.001) -> list[Row]:
     """Rows of the eval records (all repeats); calibration records (split "calibration") choose the
-    auto budget when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0."""
+    auto budget when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0. check_bins /
+    check_alpha: the T > 0 rows' uniformity test (evaluate.sampling_check)."""
     calibration = [r for r in records if r.get("split", "eval") == "calibration"]
     records = [r for r in records if r.get("split", "eval") == "eval"]
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
@@ -154,6 +159,9 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
             draft_prefill_ms=_ms(_median([_mean([r["draft_prefill_s"] for r in rep]) for rep in reps.values()])) if method != "ar" else None,
             by_category=by_category(all_rs, ar_rs, first_repeat),
         ))  # fmt: skip
+        pit = [u for r in rs for u in r.get("pit") or []]
+        if pit:
+            rows[-1]["sampling_check"] = uniformity(pit, check_bins, check_alpha)
         source_key = source_key_of_method(method)  # whose weights ran it (an MTP row: native / trained)
         if source_key:
             rows[-1][source_key] = rs[0].get(source_key)

@@ -70,6 +70,21 @@ class LongContextEvalConfig:
 
 
 @dataclass
+class SamplingCheckConfig:
+    """The lossless check at T > 0 (evaluate/sampling_check.py): every first-repeat response at T > 0 gets one
+    teacher-forced target forward (outside the timed part); its tokens' PIT values are tested for uniformity
+    per row and pooled per method. `alpha`: the test's level; `bins`: the χ² histogram's bins."""
+
+    enabled: bool = True
+    bins: int = 10
+    alpha: float = 0.001
+
+    def __post_init__(self) -> None:
+        check(2 <= self.bins <= 1000, "evaluate.sampling_check.bins", f"{self.bins} must be in [2, 1000]")
+        check(0.0 < self.alpha < 1.0, "evaluate.sampling_check.alpha", f"{self.alpha} must be in (0, 1)")
+
+
+@dataclass
 class EvaluateConfig:
     # Packaged default-world sets: humaneval, gsm_symbolic, chitchat, mt_bench (80 two-turn questions); also
     # packaged, not run by default: long_context (prompts >= long_context.min_tokens tokens).
@@ -79,6 +94,12 @@ class EvaluateConfig:
     num_prompts: int = 10  # per dataset (0 = all)
     max_new_tokens: int = 128
     temperatures: List[float] = field(default_factory=lambda: [0.0])
+    # At each temperature above 0: the sets (a subset of `datasets`) and prompts per set evaluated, the first
+    # `sampled_prompts` of the T = 0 ones (a sampling pass costs what the greedy pass does, so a CPU run samples
+    # a subset). [] / 0 = the same as at T = 0. vLLM baselines follow (evaluate/prompts.prompts_at).
+    sampled_datasets: List[str] = field(default_factory=list)
+    sampled_prompts: int = 0
+    sampling_check: SamplingCheckConfig = field(default_factory=SamplingCheckConfig)
     methods: List[str] = field(default_factory=lambda: ["ar", "dflash", "ddtree"])
     budgets: List[int] = field(default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024])
     mtp_drafts: int = 3  # draft tokens per round of the `mtp` method (the MTP layer applied recursively)
@@ -111,6 +132,9 @@ class EvaluateConfig:
               "evaluate.budgets", f"{list(self.budgets)} must be a non-empty list of integers >= 1")  # fmt: skip
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "evaluate.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
+        stray = [d for d in self.sampled_datasets if d not in self.datasets]
+        check(not stray, "evaluate.sampled_datasets", f"{stray} not in evaluate.datasets {list(self.datasets)}")
+        check(self.sampled_prompts >= 0, "evaluate.sampled_prompts", f"{self.sampled_prompts} must be >= 0 (0 = num_prompts)")
         check(self.max_new_tokens >= 1, "evaluate.max_new_tokens", f"{self.max_new_tokens} must be >= 1")
         check(self.max_new_tokens <= MAX_NEW_TOKENS, "evaluate.max_new_tokens",
               f"{self.max_new_tokens} is above the limit of {MAX_NEW_TOKENS} new tokens per answer")

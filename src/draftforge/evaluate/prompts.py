@@ -59,6 +59,20 @@ def _evaluate_section(cfg: Any) -> Any:
     return cfg.evaluate if hasattr(cfg, "evaluate") else cfg
 
 
+def prompts_at(cfg: Any, dataset: str, temperature: float, n_eval: int) -> int:
+    """How many of `dataset`'s `n_eval` evaluation prompts (the first ones) run at `temperature`: all at T = 0;
+    at T > 0 none outside `evaluate.sampled_datasets` (when set), else the first `evaluate.sampled_prompts`
+    (0 = all). evaluate and vLLM baselines both ask here, so their rows cover the same prompts."""
+    ev = _evaluate_section(cfg)
+    if float(temperature) <= 0.0:
+        return n_eval
+    sampled = [str(d) for d in (getattr(ev, "sampled_datasets", None) or [])]
+    if sampled and dataset not in sampled:
+        return 0
+    k = int(getattr(ev, "sampled_prompts", 0) or 0)
+    return min(n_eval, k) if k else n_eval
+
+
 def user(text: str) -> Messages:
     return [{"role": "user", "content": text}]
 

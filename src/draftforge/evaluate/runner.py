@@ -13,6 +13,7 @@ turn, each method continuing from its own answers (all turns of one config back 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from draftforge import chat
 from draftforge.drafter.registry import MTP_HEAD, artifact_of_method, source_key_of_method, tree_methods
 from draftforge.engine import METHODS, CapacityError, GenResult, TargetModel, generate, make_method
 from draftforge.errors import StageError
+from draftforge.evaluate.sampling_check import pit_values
 
 Messages = list[dict[str, str]]
 MethodCfg = tuple[str, "int | None"]
@@ -130,10 +132,12 @@ def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature:
 
 def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Sequence[tuple[int, Messages]],
                 temperature: float, seed: int, warmup: int, show: bool = True, repeats: int = 1,
-                split: str = "eval") -> list[dict[str, Any]]:
+                split: str = "eval", pit: bool = False) -> list[dict[str, Any]]:
     """All method configs on (index, prompt) pairs of one dataset at one temperature, `repeats` timed
     passes in the order the module docstring states. Records carry `repeat` and `split` ("eval", or
-    "calibration" for the prompts that choose the auto budget)."""
+    "calibration" for the prompts that choose the auto budget). pit (T > 0): the first repeat's records
+    also carry `pit`, their tokens' PIT values (evaluate/sampling_check.py; later repeats redraw the same
+    tokens from the same seeds)."""
     out: list[dict[str, Any]] = []
     if not prompts or not plan:
         return out
@@ -144,13 +148,14 @@ def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Seq
         desc += f" repeat {repeat + 1}/{repeats}" if repeats > 1 else ""
         for index, messages in tqdm(prompts, desc=desc, disable=not show):
             for method in rotated(plan, repeat, repeats):
-                out += run_turns(es, method, dataset, index, messages, temperature, seed, repeat=repeat, split=split)
+                out += run_turns(es, method, dataset, index, messages, temperature, seed, repeat=repeat, split=split,
+                                 pit=pit and repeat == 0 and temperature > 0)
     return out
 
 
 def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messages: Messages, temperature: float,
-              seed: int, repeat: int = 0, split: str = "eval") -> list[dict[str, Any]]:
-    """One method config on every turn of one prompt → one record per turn."""
+              seed: int, repeat: int = 0, split: str = "eval", pit: bool = False) -> list[dict[str, Any]]:
+    """One method config on every turn of one prompt → one record per turn (with `pit` values when asked)."""
     out: list[dict[str, Any]] = []
     turns = split_turns(messages)
     history_extra: list[dict[str, str]] = []  # this method's own answers to earlier turns
@@ -164,6 +169,9 @@ def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messag
         source_key = source_key_of_method(method[0])  # an MTP head: "native" (the target's layer) or "trained"
         if source_key:
             out[-1][source_key] = getattr(es.drafter_for(method[0]), "source", None)
+        if pit:  # after the timed generate: one teacher-forced forward, its own uniform stream per response
+            stream = zlib.crc32(f"{seed}/{dataset}/{split}/{method[0]}/{method[1]}/{index}/{turn}".encode())
+            out[-1]["pit"] = [round(u, 6) for u in pit_values(es.tm, ids, res.tokens, temperature, stream)]
         if turn + 1 < len(turns):
             history_extra.append({"role": "assistant",
                                   "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})

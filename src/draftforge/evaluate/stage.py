@@ -37,9 +37,10 @@ from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.config import EvaluateConfig
-from draftforge.evaluate.prompts import category_of, eval_and_calibration_sets
+from draftforge.evaluate.prompts import category_of, eval_and_calibration_sets, prompts_at
 from draftforge.evaluate.resume import clear_finished, dataset_key, load_finished, save_finished
 from draftforge.evaluate.runner import EngineSet, calibration_plan, method_plan, run_dataset
+from draftforge.evaluate.sampling_check import pooled_checks
 from draftforge.io import write_json
 from draftforge.runtime import dtype_named, init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
@@ -206,13 +207,14 @@ def main(ctx) -> None:
     sets, calib = eval_and_calibration_sets(cfg)
     with machine_timing(ctx):  # engine capture runs GPU kernels too: the lock covers it
         es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
-        all_rows, files = run_datasets(ctx, cfg, es, plan, info, sets, calib, device, dtype, mode, mismatch)
+        all_rows, files, responses = run_datasets(ctx, cfg, es, plan, info, sets, calib, device, dtype, mode, mismatch)
     if ctx.is_rank0:
         write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
             "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
             RECORD_KEY: mode.kwargs, "chat_mode_mismatch": mismatch,
             "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
             "note": BEST_NOTE, "rows": all_rows,
+            "sampling_checks": sampling_checks(cfg, responses),
         })  # fmt: skip
         clear_finished(ctx)
     if ctx.world_size > 1 and dist.is_initialized():
@@ -221,10 +223,12 @@ def main(ctx) -> None:
 
 
 def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, Any], sets, calib, device,
-                 dtype, mode: ChatMode, mismatch: str | None) -> tuple[list[dict[str, Any]], dict[str, str]]:
+                 dtype, mode: ChatMode, mismatch: str | None) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, Any]]]:
     """Time every dataset (a dataset finished by an interrupted run with the same inputs is reused); rank 0
-    writes each dataset's file and logs its rows. Returns (all rows, dataset → file) on rank 0."""
+    writes each dataset's file and logs its rows. Returns (all rows, dataset → file, all response records) on
+    rank 0."""
     all_rows: list[dict[str, Any]] = []
+    responses: list[dict[str, Any]] = []
     files = {}
     upstream = [p for p in (ctx.input_marker("target"), ctx.input_dir("train") / STAGE_MARKERS["train"]) if p.is_file()]
     for dataset, prompts in sets.items():
@@ -236,26 +240,33 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
                 write_json(ctx.out_dir / f"{dataset}.json", done)
                 files[dataset] = f"{dataset}.json"
                 all_rows += done["rows"]
+                responses += done.get("responses", [])
             continue
-        mine = [(i, p) for i, p in enumerate(prompts) if i % ctx.world_size == ctx.rank]
         records: list[dict[str, Any]] = []
-        for temp in cfg.temperatures:
-            records += run_dataset(es, plan, dataset, mine, float(temp), cfg.seed, cfg.warmup, show=ctx.is_rank0,
-                                   repeats=cfg.repeats)
+        for temp in map(float, cfg.temperatures):
+            n_at = prompts_at(cfg, dataset, temp, len(prompts))  # T > 0: the sampled subset (0: not run)
+            if not n_at:
+                continue
+            mine = [(i, p) for i, p in enumerate(prompts[:n_at]) if i % ctx.world_size == ctx.rank]
+            pit = temp > 0 and cfg.sampling_check.enabled
+            records += run_dataset(es, plan, dataset, mine, temp, cfg.seed, cfg.warmup, show=ctx.is_rank0,
+                                   repeats=cfg.repeats, pit=pit)
             records += run_dataset(es, calibration_plan(plan), dataset, [(i, p) for i, p in calib[dataset] if i % ctx.world_size == ctx.rank],
-                                   float(temp), cfg.seed, 0, show=ctx.is_rank0, repeats=cfg.repeats, split="calibration")  # fmt: skip
+                                   temp, cfg.seed, 0, show=ctx.is_rank0, repeats=cfg.repeats, split="calibration", pit=pit)  # fmt: skip
         records = gather_records(ctx, records)
         if not ctx.is_rank0:
             continue
         categories = category_of(dataset, cfg)  # by pool index (prompts.py), one per set or one per prompt
         for r in records:
             r["category"] = categories if isinstance(categories, str) else categories[r["prompt_index"]]
-        rows = aggregate(records, calibration_prompts=cfg.calibration_prompts)
+        rows = aggregate(records, calibration_prompts=cfg.calibration_prompts, check_bins=cfg.sampling_check.bins,
+                         check_alpha=cfg.sampling_check.alpha)
         for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
             row["drafter"] = ctx.drafter
             if mismatch:
                 row["chat_mode_mismatch"] = mismatch
         all_rows += rows
+        responses += records
         path = ctx.out_dir / f"{dataset}.json"
         payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), RECORD_KEY: mode.kwargs,
                    "chat_mode_mismatch": mismatch, "device": str(device),
@@ -273,7 +284,26 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
             if row["repeat_mismatches"]:
                 log.warning("%s %s@%s: %d responses of later repeats differ from the first repeat's tokens", dataset,
                             row["method"], row["budget"], row["repeat_mismatches"])
-    return all_rows, files
+    return all_rows, files, responses
+
+
+def sampling_checks(cfg: EvaluateConfig, responses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The T > 0 lossless check per (temperature, method), all sets pooled (evaluate/sampling_check.py); a
+    failed one is logged as an error and marked in the report."""
+    checks = pooled_checks(responses, cfg.sampling_check.bins, cfg.sampling_check.alpha)
+    for c in checks:
+        line = (f"sampling check T={c['temperature']:g} {c['method']}: {c['n']} tokens ({c['accepted_drafts']} from "
+                f"accepted drafts), chi2 p = {fmt_p(c['p_value'])}, TV {fmt_p(c['tv'])} (detectable at power "
+                f"{c['power']}: {fmt_p(c['detectable_tv'])})")
+        if c["passed"] is False:
+            log.error("%s: FAILED at alpha %g: this method's tokens at T > 0 are not the target's distribution", line, c["alpha"])
+        else:
+            log.info("%s%s", line, "" if c["passed"] else ": too few tokens to test")
+    return checks
+
+
+def fmt_p(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
 
 
 @contextlib.contextmanager
@@ -307,6 +337,9 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
             tags["mtp_source"] = row["mtp_source"]
         if row.get("chat_mode_mismatch"):
             tags["chat_mode_mismatch"] = row["chat_mode_mismatch"]
+        check = row.get("sampling_check") or {}  # T > 0: the lossless check's verdict (None: too few tokens)
+        if check.get("passed") is not None:
+            tags["sampling_check"] = "passed" if check["passed"] else "failed"
         name = f"{ctx.drafter}/{row['dataset']}/{row['method']}{budget and f'@{budget}'}/T{row['temperature']}"
         with mlflow_run(**kw, run_name=name, tags=tags, params={"evaluate": ctx.params.get("evaluate", {})}) as run:
             metrics = {k: row[k] for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tpot_ms", "ttft_ms",
@@ -316,6 +349,7 @@ def log_rows(ctx, rows: list[dict[str, Any]]) -> None:
                                            "calibration_tokens_per_s", "auto_vs_best")
                        if isinstance(row.get(k), (int, float)) and not isinstance(row.get(k), bool)}
             metrics.update({f"stage_ms_{s}": v for s, v in row["stage_ms"].items() if v is not None})
+            metrics.update({f"sampling_{k}": check[k] for k in ("p_value", "tv", "detectable_tv", "n") if check.get(k) is not None})
             run.log_metrics(metrics)
             for k, count in row["tau_histogram"].items():
                 run.log_metrics({"tau_hist": count}, step=int(k))
