@@ -96,7 +96,7 @@ def test_interleaved_order(monkeypatch):
     """Repeat-major passes; every prompt runs every config back to back; order rotated per repeat."""
     calls = []
     monkeypatch.setattr(runner, "run_turns", lambda es, method, dataset, index, messages, temperature, seed, repeat=0,
-                        split="eval": calls.append((repeat, index, method)) or [])
+                        split="eval", pit=False: calls.append((repeat, index, method)) or [])
     plan = [("ar", None), ("dflash", None), ("ddtree", 8), ("ddtree", 32)]
     runner.run_dataset(None, plan, "d", [(0, []), (1, [])], 0.0, 0, warmup=0, show=False, repeats=2)
     assert [c[:2] for c in calls] == [(r, i) for r in range(2) for i in range(2) for _ in plan]

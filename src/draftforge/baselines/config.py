@@ -55,7 +55,9 @@ class BaselinesConfig:
     datasets: Optional[List[str]] = None
     num_prompts: Optional[int] = None
     max_new_tokens: Optional[int] = None
-    temperatures: List[float] = field(default_factory=lambda: [0.0])
+    # null → evaluate.temperatures; at T > 0 the prompts are evaluate's sampled subset (evaluate.sampled_datasets /
+    # sampled_prompts, evaluate/prompts.prompts_at), so each vLLM row has a standalone row on the same prompts.
+    temperatures: Optional[List[float]] = None
     ignore_eos: bool = False
     warmup: int = 1  # warm-up generations per engine before the first metrics snapshot
     warmup_tokens: int = 16
@@ -85,8 +87,8 @@ class BaselinesConfig:
         known = known_methods()
         unknown = [n for n in self.methods if n not in known]
         check(not unknown, "baselines.methods", f"unknown {unknown}; known: {', '.join(known)}")
-        check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "baselines.temperatures",
-              f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
+        check(self.temperatures is None or (bool(self.temperatures) and all(t >= 0 for t in self.temperatures)),
+              "baselines.temperatures", f"{self.temperatures} must be null (= evaluate's) or a non-empty list of values >= 0")  # fmt: skip
         check(self.max_new_tokens is None or 1 <= self.max_new_tokens <= MAX_NEW_TOKENS, "baselines.max_new_tokens",
               f"{self.max_new_tokens} must be in [1, {MAX_NEW_TOKENS}]")
         check(self.datasets is None or bool(self.datasets), "baselines.datasets", "empty (null = evaluate.datasets)")

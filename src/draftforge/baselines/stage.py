@@ -27,6 +27,7 @@ from draftforge.config import to_plain
 from draftforge.drafter.registry import BLOCK_DRAFTER, MTP_HEAD, artifact_of_vllm_method
 from draftforge.drafter.settings import branch_vllm_methods
 from draftforge.errors import StageError
+from draftforge.evaluate.prompts import prompts_at
 from draftforge.io import write_json
 from draftforge.runtime import cuda_device_count, device_kind
 from draftforge.stages import STAGE_MARKERS
@@ -66,14 +67,28 @@ def target_unsupported_reason(info: dict[str, Any], device: str) -> str | None:
     return None
 
 
-def _prompt_plan(ctx: Any) -> tuple[list[str], int, int]:
+def _prompt_plan(ctx: Any) -> tuple[list[str], int, int, list[float]]:
     b, ev = ctx.cfg.baselines, ctx.cfg.evaluate
     datasets = [str(d) for d in (b.datasets if b.datasets is not None else ev.datasets)]
     num_prompts = int(b.num_prompts if b.num_prompts is not None else ev.num_prompts)
     max_new = int(b.max_new_tokens if b.max_new_tokens is not None else ev.max_new_tokens)
+    temperatures = [float(t) for t in (b.temperatures if b.temperatures is not None else ev.temperatures)]
     if not datasets:
         raise StageError("baselines.datasets: empty")
-    return datasets, num_prompts, max_new
+    return datasets, num_prompts, max_new, temperatures
+
+
+def prompt_segments(ctx: Any, rendered: dict[str, list[dict[str, Any]]], datasets: list[str],
+                    temperatures: list[float]) -> list[dict[str, Any]]:
+    """One segment per (temperature, dataset) run: all prompts at T = 0, evaluate's sampled subset at T > 0
+    (evaluate/prompts.prompts_at; a dataset outside it is not run at that temperature)."""
+    segments = []
+    for t in temperatures:
+        for d in datasets:
+            n = prompts_at(ctx.cfg, d, t, len(rendered[d]))
+            if n:
+                segments.append({"dataset": d, "temperature": t, "prompts": rendered[d][:n]})
+    return segments
 
 
 def _default_drafter_dir(ctx: Any, names: list[str]) -> Path | None:
@@ -171,7 +186,7 @@ def main(ctx: Any) -> None:
     mode = ChatMode.of(ctx.cfg)  # the target's chat mode: the prompt ids every engine gets are rendered in it
     info = read_target_info(ctx.input_marker("target"))
     names = enabled_methods(b, ctx.cfg.drafter.type)
-    datasets, num_prompts, max_new = _prompt_plan(ctx)
+    datasets, num_prompts, max_new, temperatures = _prompt_plan(ctx)
     drafter_dir = _default_drafter_dir(ctx, names)
     # a trained head, when train made one
     mtp_dir = ctx.input_dir("train") / MTP_HEAD if any(artifact_of_vllm_method(m) == MTP_HEAD for m in names) else None
@@ -189,7 +204,7 @@ def main(ctx: Any) -> None:
 
     tokenizer = load_tokenizer(info)
     rendered = render_sets(tokenizer, load_sets(ctx.cfg, datasets, num_prompts), mode)
-    segments = [{"dataset": d, "temperature": float(t), "prompts": rendered[d]} for t in b.temperatures for d in datasets]
+    segments = prompt_segments(ctx, rendered, datasets, temperatures)
     longest = max(len(p["token_ids"]) for d in datasets for p in rendered[d])
     settings = resolve_settings(b, info, device, longest, max_new)
     env = worker_env(device, settings.in_process_engine)
@@ -246,7 +261,7 @@ def main(ctx: Any) -> None:
         "datasets": datasets,
         "num_prompts": num_prompts,
         "max_new_tokens": max_new,
-        "temperatures": [float(t) for t in b.temperatures],
+        "temperatures": temperatures,
         "methods": {n: {"status": r["status"], "reason": r["reason"], "file": f"{n}.json"} for n, r in records.items()},
         "rows": all_rows,
         "concurrency_rows": [row for name in names for row in sweep.get(name, [])],

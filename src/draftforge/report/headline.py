@@ -56,12 +56,12 @@ def _cell_text(cell: dict[str, Any]) -> str:
     return text
 
 
-def headline_lines(rows: list[dict[str, Any]], choices: list[dict[str, Any]]) -> list[str]:
-    """The headline table at T = 0: one line per engine × drafter branch × method, one column per set."""
-    cells = headline_cells(rows, choices)
+def headline_lines(rows: list[dict[str, Any]], choices: list[dict[str, Any]], temperature: float = 0.0) -> list[str]:
+    """The headline table at `temperature`: one line per engine × drafter branch × method, one column per set."""
+    cells = headline_cells(rows, choices, temperature)
     datasets = sorted({d for per in cells.values() for d in per})
     if not cells:
-        return ["- (no drafted method measured at T = 0)"]
+        return [f"- (no drafted method measured at T = {temperature:g})"]
     head = ["engine", "drafter / method"] + datasets
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (engine, drafter, method), per in sorted(cells.items(), key=lambda kv: tuple(str(k) for k in kv[0])):

@@ -1,5 +1,6 @@
-"""Train/serve parity: vLLM τ beside the standalone engine's τ of one method, same prompts, T = 0 —
-the chain method of each drafter branch: `dflash`, `dspark` (our drafters) and `mtp` (the MTP head, native
+"""Train/serve parity: vLLM τ beside the standalone engine's τ of one method, same prompts, one temperature
+(T = 0, and each sampling temperature both engines ran: there τ is itself an average over random draws) — the
+chain method of each drafter branch: `dflash`, `dspark` (our drafters) and `mtp` (the MTP head, native
 or trained).
 
 Computed here, in `report` (the one stage that declares both `evaluate` and `baselines` as inputs), over
@@ -12,27 +13,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _method_at_t0(rows: Sequence[Mapping[str, Any]], engine: str, method: str,
-                  drafter: str | None) -> dict[str, Mapping[str, Any]]:
-    """The first row of `method` (of one drafter branch, or any) at T = 0 with a τ, per dataset, of one engine."""
+def _method_at(rows: Sequence[Mapping[str, Any]], engine: str, method: str, drafter: str | None,
+               temperature: float) -> dict[str, Mapping[str, Any]]:
+    """The first row of `method` (of one drafter branch, or any) at `temperature` with a τ, per dataset, of one engine."""
     found: dict[str, Mapping[str, Any]] = {}
     for row in rows:
         if row.get("engine") != engine or row.get("method") != method or row.get("tau") is None:
             continue
         if drafter is not None and row.get("drafter") != drafter:
             continue
-        if float(row.get("temperature") or 0.0) == 0.0:
+        if float(row.get("temperature") or 0.0) == temperature:
             found.setdefault(str(row.get("dataset")), row)
     return found
 
 
 def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: str = "dflash",
-                 drafter: str | None = None) -> dict[str, Any]:
-    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` (of one drafter branch, or any) against
-    `tolerance`; `all_within` over the checked."""
-    ours, vllm = _method_at_t0(rows, "draftforge", method, drafter), _method_at_t0(rows, "vllm", method, drafter)
-    block: dict[str, Any] = {"tolerance": tolerance, "method": method, "drafter": drafter, "datasets": {},
-                             "all_within": None}
+                 drafter: str | None = None, temperature: float = 0.0) -> dict[str, Any]:
+    """Per dataset |τ_vllm − τ_standalone| / τ_standalone of `method` (of one drafter branch, or any) at
+    `temperature` against `tolerance`; `all_within` over the checked."""
+    ours = _method_at(rows, "draftforge", method, drafter, temperature)
+    vllm = _method_at(rows, "vllm", method, drafter, temperature)
+    block: dict[str, Any] = {"tolerance": tolerance, "method": method, "drafter": drafter, "temperature": temperature,
+                             "datasets": {}, "all_within": None}
     for dataset in sorted(set(ours) | set(vllm)):
         mine, theirs = vllm.get(dataset), ours.get(dataset)
         entry: dict[str, Any] = {
@@ -53,5 +55,6 @@ def parity_block(rows: Sequence[Mapping[str, Any]], tolerance: float, method: st
         block["all_within"] = all(checked)
     else:
         name = "DFlash" if method == "dflash" else method
-        block["reason"] = f"no dataset has both a vLLM {name} τ and a standalone {name} τ at T=0"
+        block["reason"] = f"no dataset has both a vLLM {name} τ and a standalone {name} τ at T={temperature:g}"
     return block
+

@@ -25,9 +25,11 @@ from draftforge.report.rows import (
     collect_rows,
     fmt,
     method_label,
+    to_float,
     vs_mtp,
     with_spread,
 )
+from draftforge.report.sampling import sampled_temperatures, sampling_check_lines
 from draftforge.stages import PER_DRAFTER, STAGES
 from draftforge.tracking import experiment_name, mlflow_run
 
@@ -46,13 +48,14 @@ def summary_csv(rows: list[dict[str, Any]]) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """tokens/s and speedup as `median [min–max]` over repeats where measured; tree budgets flagged
     "auto" (calibrated) and "best" (oracle)."""
-    header = ["dataset", "engine", "drafter", "method", "budget", "tokens/s", "speedup vs AR", "τ", "TPOT ms", "mismatches", "status"]
+    header = ["dataset", "engine", "drafter", "method", "budget", "T", "tokens/s", "speedup vs AR", "τ", "TPOT ms", "mismatches", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         flags = [name for name, key in (("auto", "auto_budget"), ("best", "best_budget")) if r.get(key)]
         budget = fmt(r.get("budget")) + (f" ({', '.join(flags)})" if flags else "")
         cells = [
-            fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), budget, with_spread(r, "tokens_per_s", 1),
+            fmt(r.get("dataset")), r["engine"], fmt(r.get("drafter")), method_label(r), budget, f"{to_float(r.get('temperature'), 0.0):g}",
+            with_spread(r, "tokens_per_s", 1),
             with_spread(r, "speedup_vs_ar", 2), fmt(r.get("tau")), fmt(r.get("tpot_ms"), 1), fmt(r.get("lossless_mismatches")),
             r.get("status", "ok") + (f" ({r['reason']})" if r.get("reason") else "")
             + (f" (chat mode mismatch: {r['chat_mode_mismatch']})" if r.get("chat_mode_mismatch") else ""),
@@ -241,10 +244,19 @@ def build_report(ctx) -> dict[str, Any]:
     choices = budget_choices(rows)
     repeats = max((int(r.get("repeats") or 1) for r in rows if r["engine"] == "draftforge"), default=1)
     tol = float(ctx.cfg.report.parity_tolerance)
-    parity = {name: parity_block(rows, tol, method=type_of(d).chain_method, drafter=name) for name, d in drafters.items()}
+    sampled = sampled_temperatures(rows)
+    parity = {f"{name}_T{t:g}" if t else name: parity_block(rows, tol, method=type_of(d).chain_method, drafter=name, temperature=t)
+              for name, d in drafters.items() for t in [0.0, *sampled]}  # fmt: skip
     parity_lines = []
-    for name, block in parity.items():
-        parity_lines += [f"### {name}: vLLM `{block['method']}` vs the standalone `{block['method']}` chain", *parity_text(block), ""]
+    for block in parity.values():
+        at = f" (T = {block['temperature']:g})" if block["temperature"] else ""
+        parity_lines += [f"### {block['drafter']}: vLLM `{block['method']}` vs the standalone `{block['method']}` chain{at}",
+                         *parity_text(block), ""]  # fmt: skip
+    checks = {d: read_json(ctx.input_marker("evaluate", d), what="draftforge results").get("sampling_checks") or []
+              for d in drafters}  # fmt: skip
+    sampled_lines = []
+    for t in sampled:
+        sampled_lines += [f"### T = {t:g}", *headline_lines(rows, choices, t), ""]
     mtp_table = vs_mtp(rows)
     links = mlflow_links(ctx.results_root, ctx.experiment, ctx.cfg.report.mlflow_ui_url.rstrip("/"), list(drafters))
     text = "\n".join([
@@ -267,6 +279,13 @@ def build_report(ctx) -> dict[str, Any]:
         "Each cell: speedup = τ ÷ round cost, the round in AR steps of the same engine and branch.",
         *headline_lines(rows, choices),
         "",
+        "## Sampling (T > 0): the headline at each sampling temperature (its own calibrated budgets; the T > 0 "
+        "prompts are `evaluate.sampled_datasets` / `sampled_prompts`)",
+        *(sampled_lines or ["- (no sampling temperature in evaluate.temperatures)", ""]),
+        "## Lossless at T > 0: each generated token's PIT under the target's own conditional, χ² against uniform "
+        "(all sets pooled per method; docs/architecture.md, \"Lossless at T > 0\")",
+        *(sampling_check_lines(checks) or ["- (no response at T > 0)"]),
+        "",
         "## By prompt category (T = 0; the headline's rows: speedup× (τ) over each category's prompts only)",
         *(category_lines(rows, choices) or ["- (no row carries prompt categories)"]),
         "",
@@ -277,7 +296,7 @@ def build_report(ctx) -> dict[str, Any]:
         "MTP layers, \"mtp (trained)\": the head trained by this pipeline)",
         *vs_mtp_lines(mtp_table, any(r["method"] == _ref_chain() and r.get("status", "ok") == "ok" for r in rows)),
         "",
-        "## Train/serve parity (each branch's chain: vLLM τ vs standalone τ, T = 0)",
+        "## Train/serve parity (each branch's chain: vLLM τ vs standalone τ, same prompts, per temperature)",
         *(parity_lines or ["- (no drafter branches)"]),
         "## All runs",
         markdown_table(rows),
