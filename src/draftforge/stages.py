@@ -38,9 +38,11 @@ STAGE_TABLE: tuple[Stage, ...] = (
            "extract.sort_window"), per_drafter=True),  # fmt: skip
     Stage("evaluate", "evaluate.json", ("target", "train"), ("target", "drafter", "evaluate"), timing=True,
           per_drafter=True),  # fmt: skip
-    # baselines runs vLLM on the same prompts as evaluate (same sets, count and length)
+    # baselines runs vLLM on the same prompts as evaluate (same sets, count and length, and temperatures with
+    # their T > 0 subset: evaluate/prompts.prompts_at)
     Stage("baselines", "baselines.json", ("target", "train"),
-          ("target", "drafter", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens"),
+          ("target", "drafter", "baselines", *PROMPT_KEYS, "evaluate.num_prompts", "evaluate.max_new_tokens",
+           "evaluate.temperatures", "evaluate.sampled_datasets", "evaluate.sampled_prompts"),
           timing=True, per_drafter=True),  # fmt: skip
     # report joins every branch's rows from both engines and computes the train/serve parity check
     Stage("report", "summary.md", ("target", "curate", "extract", "train", "evaluate", "baselines"),

@@ -102,6 +102,8 @@ def test_reruns_follow_the_stage_table(finished_copy: Path) -> None:
     # report computes the parity check from both engines' rows: an evaluate change reruns it
     assert rerun(finished_copy, "evaluate.budgets=[2,4]") == {"evaluate", "report"}
     assert rerun(finished_copy, "evaluate.num_prompts=2") == {"evaluate", "baselines", "report"}
+    assert rerun(finished_copy, "evaluate.sampled_prompts=2") == {"evaluate", "baselines", "report"}  # vLLM's T > 0 prompts
+    assert rerun(finished_copy, "evaluate.sampling_check.bins=20") == {"evaluate", "report"}
     assert rerun(finished_copy, "evaluate.chitchat.holdout_per_10k=200") == set(STAGES) - {"target"}
     assert rerun(finished_copy, "train.lr=0.001") == {"train", "evaluate", "baselines", "report"}
     assert rerun(finished_copy, "report.parity_tolerance=0.1") == {"report"}
