@@ -25,9 +25,9 @@ def test_prompts_at_a_sampling_temperature_are_the_sampled_subset():
     assert prompts_at(every, "humaneval", 0.7, 4) == 4  # [] / 0: the same as at T = 0
 
 
-def test_sampled_datasets_outside_the_evaluated_sets_are_refused():
-    with pytest.raises(ConfigError, match="evaluate.sampled_datasets.*chitchat"):
-        EvaluateConfig(datasets=["humaneval"], sampled_datasets=["chitchat"])
+def test_a_sampled_set_that_is_not_evaluated_runs_nothing_and_bad_counts_are_refused():
+    ev = EvaluateConfig(datasets=["humaneval"], temperatures=[0.0, 1.0], sampled_datasets=["mt_bench"])
+    assert prompts_at(ev, "humaneval", 1.0, 4) == 0  # humaneval is not sampled; mt_bench is not evaluated
     with pytest.raises(ConfigError, match="evaluate.sampled_prompts"):
         EvaluateConfig(sampled_prompts=-1)
 

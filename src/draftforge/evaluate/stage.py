@@ -205,6 +205,10 @@ def main(ctx) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     dtype = pick_dtype(cfg, str(info.get("dtype", "float32")), device)
     sets, calib = eval_and_calibration_sets(cfg)
+    unsampled = [d for d in cfg.sampled_datasets if d not in sets]
+    if unsampled and any(t > 0 for t in cfg.temperatures):
+        log.warning("evaluate.sampled_datasets: %s not in evaluate.datasets %s; the T > 0 rows cover %s", unsampled,
+                    list(sets), [d for d in cfg.sampled_datasets if d in sets] or "no set")
     with machine_timing(ctx):  # engine capture runs GPU kernels too: the lock covers it
         es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
         all_rows, files, responses = run_datasets(ctx, cfg, es, plan, info, sets, calib, device, dtype, mode, mismatch)
