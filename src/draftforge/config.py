@@ -139,7 +139,10 @@ DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
 # whose computation the option does not change. Setting one to another value changes the params as usual.
 ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter.module": "",
                                  "target.chat_template_kwargs": {}, "evaluate.allow_chat_mode_mismatch": False,
-                                 "baselines.allow_chat_mode_mismatch": False, "extract.jobs": 1, "extract.part": -1}
+                                 "baselines.allow_chat_mode_mismatch": False, "extract.jobs": 1, "extract.part": -1,
+                                 "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0,
+                                 "evaluate.sampling_check": {"enabled": True, "bins": 10, "alpha": 0.001},
+                                 "baselines.temperatures": None}
 
 
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:

@@ -120,7 +120,8 @@ def test_stage_params_hold_only_what_the_stage_reads() -> None:
     cfg = compose("smoke")
     params = stage_params(cfg, "baselines")
     assert set(params) == {"experiment_name", "seed", "target", "drafter", "baselines", "evaluate"}
-    assert set(params["evaluate"]) == {"datasets", "dataset_files", "gsm_symbolic", "chitchat", "num_prompts", "max_new_tokens"}
+    assert set(params["evaluate"]) == {"datasets", "dataset_files", "gsm_symbolic", "chitchat", "num_prompts", "max_new_tokens",
+                                       "temperatures", "sampled_datasets"}  # sampled_prompts: at its default (ADDED_OPTIONS)
     assert "budgets" not in params["evaluate"]
 
 
@@ -133,14 +134,19 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
     other = {"drafter.module": ("drafter.module=draftforge.drafter.types.dflash", "draftforge.drafter.types.dflash"),
              "target.chat_template_kwargs": ("++target.chat_template_kwargs.enable_thinking=false",
                                              {"enable_thinking": False}),
-             "extract.jobs": ("extract.jobs=2", 2), "extract.part": ("extract.part=0", 0)}  # (override, value)
+             "extract.jobs": ("extract.jobs=2", 2), "extract.part": ("extract.part=0", 0),
+             "evaluate.sampled_datasets": ("evaluate.sampled_datasets=[humaneval]", ["humaneval"]),
+             "evaluate.sampled_prompts": ("evaluate.sampled_prompts=1", 1),
+             "evaluate.sampling_check": ("evaluate.sampling_check.bins=20", {"enabled": True, "bins": 20, "alpha": 0.001}),
+             "baselines.temperatures": ("baselines.temperatures=[0.0]", [0.0])}  # (override, value)
+    base = ["target=tiny-random", "evaluate.sampled_datasets=[]"]  # smoke samples mt_bench; the default samples all
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")
         stage = next(s for s, sections in STAGE_SECTIONS.items() if section in sections)  # a stage tracking it
-        plain = stage_params(compose("smoke", ["target=tiny-random"]), stage)
+        plain = stage_params(compose("smoke", base), stage)
         assert leaf not in plain[section], key
         override, value = other.get(key, (f"{key}=true", True))
-        changed = stage_params(compose("smoke", ["target=tiny-random", override]), stage)
+        changed = stage_params(compose("smoke", [*base, override]), stage)
         assert changed[section][leaf] == value and changed != plain, key
 
 
