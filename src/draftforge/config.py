@@ -6,7 +6,7 @@ dict Snakemake tracks in `params` is exactly what the stage computes with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, List, Sequence
 
@@ -23,7 +23,7 @@ from draftforge.curate.config import CurateConfig
 from draftforge.drafter.registry import ignored_keys, type_of
 from draftforge.drafter.settings import DrafterConfig, listed_drafters, needs_last_layer
 from draftforge.errors import ConfigError
-from draftforge.evaluate.config import EvaluateConfig, check_methods_known
+from draftforge.evaluate.config import EvaluateConfig, LongContextEvalConfig, check_methods_known
 from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
@@ -143,6 +143,15 @@ ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter
                                  "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0,
                                  "evaluate.sampling_check": {"enabled": True, "bins": 10, "alpha": 0.001},
                                  "baselines.temperatures": None}
+# Keys a stage tracks since after results existed (stage → {key: value before}): left out of that stage's params
+# at that value, as ADDED_OPTIONS, for that stage only (the stages that tracked them all along keep them).
+NEWLY_TRACKED: dict[str, dict[str, Any]] = {
+    # the long-context set's prompts (curate decontaminates against them, baselines renders them)
+    "curate": {"evaluate.long_context": asdict(LongContextEvalConfig())},
+    # vLLM's temperatures and their T > 0 prompts follow evaluate's (evaluate/prompts.prompts_at)
+    "baselines": {"evaluate.long_context": asdict(LongContextEvalConfig()), "evaluate.temperatures": [0.0],
+                  "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0},
+}
 
 
 def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
@@ -156,7 +165,7 @@ def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
         for part in parents:
             node, into = node[part], into.setdefault(part, {})
         into[leaf] = to_plain(node[leaf])
-    for key, default in ADDED_OPTIONS.items():
+    for key, default in [*ADDED_OPTIONS.items(), *NEWLY_TRACKED.get(stage, {}).items()]:
         _drop(view, key, lambda value, default=default: value == default)
     if STAGE_BY_NAME[stage].per_drafter and "drafter" in cfg:  # keys this branch's type never reads
         for key in ignored_keys(cfg.drafter):

@@ -12,7 +12,8 @@ from typing import Any
 
 # Keys of the evaluate section that choose the evaluation prompts: curate decontaminates against
 # them and baselines runs on them, so both stages track these keys (not evaluate's methods/budgets).
-PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "evaluate.gsm_symbolic", "evaluate.chitchat")
+PROMPT_KEYS: tuple[str, ...] = ("evaluate.datasets", "evaluate.dataset_files", "evaluate.gsm_symbolic", "evaluate.chitchat",
+                                 "evaluate.long_context")
 
 
 def chitchat_is_heldout(conversation_id: str, holdout_per_10k: int) -> bool:

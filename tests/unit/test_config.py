@@ -180,3 +180,20 @@ def test_the_timing_lock_reaches_only_the_timing_stages_and_is_no_param() -> Non
     assert cfg.timing_lock.timeout_s == 60 and cfg.timing_lock.dir == "/shared/locks"
     assert all("timing_lock" not in stage_params(cfg, s) for s in ("evaluate", "baselines"))
     assert stage_params(cfg, "evaluate") == stage_params(compose("smoke"), "evaluate")
+
+
+def test_newly_tracked_keys_change_a_stage_params_only_when_set() -> None:
+    """Keys curate / baselines track since after results existed (config.NEWLY_TRACKED): absent at their old
+    value, so finished runs stay finished; changed, they rerun the stage (a long-context set of another size
+    is other prompts to decontaminate against and to render for vLLM)."""
+    from draftforge.config import stage_params
+
+    base = ["target=tiny-random", "evaluate.sampled_datasets=[]", "evaluate.temperatures=[0.0]"]
+    for stage in ("curate", "baselines"):
+        plain = stage_params(compose("smoke", base), stage)
+        assert "long_context" not in plain["evaluate"] and "temperatures" not in plain["evaluate"], stage
+        sized = stage_params(compose("smoke", [*base, "evaluate.long_context.size=4"]), stage)
+        assert sized["evaluate"]["long_context"] == {"min_tokens": 4096, "size": 4}, stage
+    sampled = stage_params(compose("smoke", [*base[:-1], "evaluate.temperatures=[0.0,1.0]"]), "baselines")
+    assert sampled["evaluate"]["temperatures"] == [0.0, 1.0]
+    assert "temperatures" not in stage_params(compose("smoke", [*base[:-1], "evaluate.temperatures=[0.0,1.0]"]), "curate")["evaluate"]
