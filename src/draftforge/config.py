@@ -23,7 +23,7 @@ from draftforge.curate.config import CurateConfig
 from draftforge.drafter.registry import ignored_keys, type_of
 from draftforge.drafter.settings import DrafterConfig, listed_drafters, needs_last_layer
 from draftforge.errors import ConfigError
-from draftforge.evaluate.config import EvaluateConfig, LongContextEvalConfig, check_methods_known
+from draftforge.evaluate.config import EvaluateConfig, LongContextEvalConfig, SamplingCheckConfig, check_methods_known
 from draftforge.extract.config import ExtractConfig
 from draftforge.io import sha256_json
 from draftforge.paths import CONF_DIR, default_results_root
@@ -141,7 +141,7 @@ ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter
                                  "target.chat_template_kwargs": {}, "evaluate.allow_chat_mode_mismatch": False,
                                  "baselines.allow_chat_mode_mismatch": False, "extract.jobs": 1, "extract.part": -1,
                                  "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0,
-                                 "evaluate.sampling_check": {"enabled": True, "bins": 10, "alpha": 0.001},
+                                 "evaluate.sampling_check": asdict(SamplingCheckConfig()),
                                  "baselines.temperatures": None}
 # Keys a stage tracks since after results existed (stage → {key: value before}): left out of that stage's params
 # at that value, as ADDED_OPTIONS, for that stage only (the stages that tracked them all along keep them).

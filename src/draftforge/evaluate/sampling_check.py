@@ -22,7 +22,7 @@ tested: the tokens selected by an outcome (say, the accepted drafts alone) are n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -108,16 +108,12 @@ def uniformity(u: Sequence[float], bins: int, alpha: float) -> dict[str, Any]:
     return out
 
 
-def checked_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records that carry PIT values (first repeat at T > 0: later repeats redraw the same tokens)."""
-    return [r for r in records if r.get("pit")]
-
-
 def pooled_checks(records: Iterable[dict[str, Any]], bins: int, alpha: float) -> list[dict[str, Any]]:
     """Per (temperature, method): every PIT value of that method's responses, all sets, budgets and splits
-    pooled (independent draws), tested together; plus the tokens committed from accepted drafts, for scale."""
+    pooled (independent draws), tested together; plus the tokens committed from accepted drafts, for scale.
+    Only records with PIT values count (first repeat at T > 0: later repeats redraw the same tokens)."""
     groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
-    for r in checked_records(records):
+    for r in (r for r in records if r.get("pit")):
         groups.setdefault((float(r["temperature"]), str(r["method"])), []).append(r)
     out = []
     for (temp, method), rs in sorted(groups.items()):
@@ -126,3 +122,17 @@ def pooled_checks(records: Iterable[dict[str, Any]], bins: int, alpha: float) ->
         out.append({"temperature": temp, "method": method, "responses": len(rs), "accepted_drafts": drafted,
                     **uniformity(u, bins, alpha)})
     return out
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{float(value):.3g}"
+
+
+def check_line(c: Mapping[str, Any]) -> str:
+    """One pooled check as text (the evaluate log's line and the report's): tokens, χ² p-value, TV to uniform,
+    the TV detectable at the stated power, and the verdict (FAILED in capitals)."""
+    verdict = {True: "passed", False: "**FAILED**", None: "too few tokens to test"}[c.get("passed")]
+    return (f"T = {float(c['temperature']):g} · `{c['method']}`: {c['n']} tokens of {c['responses']} responses "
+            f"({c['accepted_drafts']} from accepted drafts); χ² p = {_fmt(c.get('p_value'))}, TV to uniform "
+            f"{_fmt(c.get('tv'))}; a TV ≥ {_fmt(c.get('detectable_tv'))} is detected with probability {c['power']} at "
+            f"α = {c['alpha']:g}: {verdict}")

@@ -40,7 +40,7 @@ from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import category_of, eval_and_calibration_sets, prompts_at
 from draftforge.evaluate.resume import clear_finished, dataset_key, load_finished, save_finished
 from draftforge.evaluate.runner import EngineSet, calibration_plan, method_plan, run_dataset
-from draftforge.evaluate.sampling_check import pooled_checks
+from draftforge.evaluate.sampling_check import check_line, pooled_checks
 from draftforge.io import write_json
 from draftforge.runtime import dtype_named, init_distributed, pick_device
 from draftforge.stages import STAGE_MARKERS
@@ -252,7 +252,7 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
             if not n_at:
                 continue
             mine = [(i, p) for i, p in enumerate(prompts[:n_at]) if i % ctx.world_size == ctx.rank]
-            pit = temp > 0 and cfg.sampling_check.enabled
+            pit = cfg.sampling_check.enabled  # the runner takes PIT values at T > 0, first repeat only
             records += run_dataset(es, plan, dataset, mine, temp, cfg.seed, cfg.warmup, show=ctx.is_rank0,
                                    repeats=cfg.repeats, pit=pit)
             records += run_dataset(es, calibration_plan(plan), dataset, [(i, p) for i, p in calib[dataset] if i % ctx.world_size == ctx.rank],
@@ -296,18 +296,11 @@ def sampling_checks(cfg: EvaluateConfig, responses: list[dict[str, Any]]) -> lis
     failed one is logged as an error and marked in the report."""
     checks = pooled_checks(responses, cfg.sampling_check.bins, cfg.sampling_check.alpha)
     for c in checks:
-        line = (f"sampling check T={c['temperature']:g} {c['method']}: {c['n']} tokens ({c['accepted_drafts']} from "
-                f"accepted drafts), chi2 p = {fmt_p(c['p_value'])}, TV {fmt_p(c['tv'])} (detectable at power "
-                f"{c['power']}: {fmt_p(c['detectable_tv'])})")
         if c["passed"] is False:
-            log.error("%s: FAILED at alpha %g: this method's tokens at T > 0 are not the target's distribution", line, c["alpha"])
+            log.error("sampling check %s: this method's tokens at T > 0 are not the target's distribution", check_line(c))
         else:
-            log.info("%s%s", line, "" if c["passed"] else ": too few tokens to test")
+            log.info("sampling check %s", check_line(c))
     return checks
-
-
-def fmt_p(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3g}"
 
 
 @contextlib.contextmanager
