@@ -136,10 +136,12 @@ DERIVED_PARAMS = {"stores_last_layer": needs_last_layer}
 
 # Options added after results were produced with the code before them: left out of a stage's params while
 # at their default (= the behaviour before the option existed), so upgrading never reruns finished stages
-# whose computation the option does not change. Setting one to another value changes the params as usual.
+# whose computation the option does not change (or changes only in floating-point rounding: extract.batch_fill
+# batches the same sequences differently). Setting one to another value changes the params as usual.
 ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter.module": "",
                                  "target.chat_template_kwargs": {}, "evaluate.allow_chat_mode_mismatch": False,
                                  "baselines.allow_chat_mode_mismatch": False, "extract.jobs": 1, "extract.part": -1,
+                                 "extract.batch_fill": 0.9,
                                  "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0,
                                  "evaluate.sampling_check": asdict(SamplingCheckConfig()),
                                  "baselines.temperatures": None}

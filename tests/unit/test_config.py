@@ -135,6 +135,7 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
              "target.chat_template_kwargs": ("++target.chat_template_kwargs.enable_thinking=false",
                                              {"enable_thinking": False}),
              "extract.jobs": ("extract.jobs=2", 2), "extract.part": ("extract.part=0", 0),
+             "extract.batch_fill": ("extract.batch_fill=0.0", 0.0),
              "evaluate.sampled_datasets": ("evaluate.sampled_datasets=[humaneval]", ["humaneval"]),
              "evaluate.sampled_prompts": ("evaluate.sampled_prompts=1", 1),
              "evaluate.sampling_check": ("evaluate.sampling_check.bins=20", {"enabled": True, "bins": 20, "alpha": 0.001}),

@@ -75,6 +75,14 @@ def test_batches_really_pad():
     assert [b.token_start for b in batches] == [0, *np.cumsum([b.n_tokens for b in batches])[:-1].tolist()]
 
 
+def test_batch_fill_bounds_the_padding_of_every_batch():
+    lengths = np.array([100, 95, 50, 48, 10])
+    batches = make_batches(lengths, 10_000, fill=0.9)
+    assert [(b.first, b.stop) for b in batches] == [(0, 2), (2, 4), (4, 5)]
+    assert all(b.n_tokens >= 0.9 * b.padded_len * (b.stop - b.first) for b in batches)
+    assert [(b.first, b.stop) for b in make_batches(lengths, 10_000)] == [(0, 5)]  # no fill: one batch
+
+
 def test_layer_id_convention_is_output_of_layer(model):
     """Tap L must be hidden_states[L+1], and must differ from the off-by-one hidden_states[L]."""
     ids = np.arange(6, 40)

@@ -21,21 +21,23 @@ class Batch:
     padded_len: int  # T = longest sequence of the batch
 
 
-def make_batches(lengths: np.ndarray, tokens_per_batch: int) -> list[Batch]:
-    """Greedy packing of consecutive sequences while rows × longest ≤ tokens_per_batch.
+def make_batches(lengths: np.ndarray, tokens_per_batch: int, fill: float = 0.0) -> list[Batch]:
+    """Greedy packing of consecutive sequences while rows × longest ≤ tokens_per_batch and the batch's
+    valid tokens stay ≥ `fill` × its padded tokens (0: no padding limit).
 
     A sequence longer than tokens_per_batch forms a batch of its own. Works for any order; with
-    lengths sorted descending the first row of a batch is its longest (least padding).
+    lengths sorted descending the first row of a batch is its longest (least padding). Padding is
+    computed like any token, so the padded share of a batch is its share of wasted work.
     """
     batches: list[Batch] = []
-    start, longest = 0, 0
+    start, longest, valid = 0, 0, 0
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     for i, n in enumerate(lengths.tolist()):
-        grown = max(longest, n)
-        if i > start and grown * (i - start + 1) > tokens_per_batch:
+        grown, rows = max(longest, n), i - start + 1
+        if i > start and (grown * rows > tokens_per_batch or valid + n < fill * grown * rows):
             batches.append(Batch(start, i, int(offsets[start]), int(offsets[i] - offsets[start]), longest))
-            start, grown = i, n
-        longest = grown
+            start, grown, valid = i, n, 0
+        longest, valid = grown, valid + n
     if start < len(lengths):
         batches.append(Batch(start, len(lengths), int(offsets[start]), int(offsets[-1] - offsets[start]), longest))
     return batches

@@ -23,6 +23,9 @@ class ExtractConfig:
     attn_implementation: str = "auto"
     splits: List[str] = field(default_factory=lambda: ["train", "val"])  # curate splits to extract (a split without files is skipped)
     tokens_per_batch: int = 16384  # padded tokens (rows × longest row) per forward
+    # A batch takes the next (shorter) sequence only while its valid tokens stay ≥ batch_fill × its padded tokens:
+    # padding is computed like any token, and on a CPU a one-sequence batch already fills the matmuls.
+    batch_fill: float = 0.9
     max_seq_len: int = 3072  # longer sequences are truncated (counted in index.json)
     # Shard = fixed set of sequences (independent of world size): rows of one sort window, sorted by
     # length, cut greedily at tokens_per_shard tokens or seqs_per_shard sequences.
@@ -47,4 +50,5 @@ class ExtractConfig:
         check(self.storage_dtype in STORAGE_DTYPES, "extract.storage_dtype", f"{self.storage_dtype!r}: use one of {list(STORAGE_DTYPES)}")
         check(self.jobs >= 1, "extract.jobs", f"{self.jobs} must be >= 1")
         check(-1 <= self.part < self.jobs, "extract.part", f"{self.part} must be -1 (all) or in [0, extract.jobs={self.jobs})")
+        check(0.0 <= self.batch_fill <= 1.0, "extract.batch_fill", f"{self.batch_fill} must be in [0, 1]")
         check(self.tokens_per_batch >= 1 and self.max_seq_len >= 1, "extract.tokens_per_batch/max_seq_len", "must be >= 1")

@@ -92,12 +92,12 @@ class ShardExtractor:
 
     def __init__(self, target: TargetView, *, storage_dtype: str, tokens_per_batch: int, device: torch.device,
                  stop_after_last_tap: bool = True, max_shard_tokens: int = 0, n_buffers: int = 2,
-                 store_last: bool = False) -> None:  # fmt: skip
+                 store_last: bool = False, batch_fill: float = 0.0) -> None:  # fmt: skip
         self.target = target
         self.capture = TapCapture(target.model, target.layer_ids, stop_after_last=stop_after_last_tap,
                                   capture_last=store_last)
         self.storage_dtype = storage_dtype
-        self.tokens_per_batch = tokens_per_batch
+        self.tokens_per_batch, self.batch_fill = tokens_per_batch, batch_fill
         self.device = device
         self.n_taps = len(target.layer_ids)
         self.dim = self.n_taps * target.hidden_size
@@ -119,7 +119,7 @@ class ShardExtractor:
         hidden, scale = self._host[slot][:n], (self._scale[slot][:n] if self._scale[slot] is not None else None)
         last = self._last[slot][:n] if self._last[slot] is not None else None
         padded = 0
-        for batch in make_batches(shard.lengths, self.tokens_per_batch):
+        for batch in make_batches(shard.lengths, self.tokens_per_batch, self.batch_fill):
             ids, mask, valid = pad_batch(rows.input_ids, rows.offsets, batch, self.target.pad_id, self.device)
             feats = self.capture.run(ids, mask, valid)  # (n_b, n_taps·H), valid tokens in shard order
             if feats.shape[0] != batch.n_tokens:
@@ -170,6 +170,7 @@ def run_rank(
     tokens_per_batch: int,
     max_seq_len: int,
     device: torch.device,
+    batch_fill: float = 0.0,
     stop_after_last_tap: bool = True,
     store_last: bool = False,
     progress: bool = True,
@@ -195,7 +196,7 @@ def run_rank(
     load_rows = load_rows or InputReader(plan, target.vocab_size, max_seq_len).load
     n_buffers = writer_threads + 1
     extractor = ShardExtractor(target, storage_dtype=storage_dtype, tokens_per_batch=tokens_per_batch, device=device,
-                               stop_after_last_tap=stop_after_last_tap, store_last=store_last,
+                               stop_after_last_tap=stop_after_last_tap, store_last=store_last, batch_fill=batch_fill,
                                max_shard_tokens=max(s.n_tokens for s in todo), n_buffers=n_buffers)  # fmt: skip
     pending: list[Future] = []
     t0 = time.perf_counter()

@@ -112,7 +112,8 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
 
     store_last = needs_last_layer(ctx.cfg)  # the target's next-token distribution for a listed drafter
     extra_key = {"target": info["fingerprint"], "taps": taps, "storage": cfg.storage_dtype, "dtype": str(dtype),
-                 "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch}
+                 "attn": attn, "device": device.type, "tokens_per_batch": cfg.tokens_per_batch,
+                 "batch_fill": cfg.batch_fill}
     if store_last:  # only then: plans (and resumable shards) without it keep their key
         extra_key["last_hidden"] = True
     plan = make_plan(ctx, extra_key)
@@ -138,7 +139,7 @@ def run_extract(ctx, *, free_bytes: FreeBytes = disk_free, stop_after: int | Non
                             int(info.get("pad_token_id") or 0), info["fingerprint"])  # fmt: skip
         stats = run_rank(
             plan, target, shard_dir, rank=ctx.rank, world_size=ctx.world_size, storage_dtype=cfg.storage_dtype,
-            tokens_per_batch=cfg.tokens_per_batch, max_seq_len=cfg.max_seq_len, device=device,
+            tokens_per_batch=cfg.tokens_per_batch, batch_fill=cfg.batch_fill, max_seq_len=cfg.max_seq_len, device=device,
             stop_after_last_tap=cfg.stop_after_last_tap, store_last=store_last, progress=True, stop_after=stop_after,
             writer_threads=cfg.writer_threads, part=part, parts=parts,
         )  # fmt: skip
