@@ -134,7 +134,7 @@ def method_record(name: str, plan: MethodPlan, result: dict[str, Any], rows: lis
         "log": str(log_path) if log_path else None,
         "rows": rows,
     }
-    for key in ("vllm_version", "import_s", "engine_start_s", "warmup_s", "process_s", "returncode", "stderr_tail", "traceback", "teardown_note"):  # fmt: skip
+    for key in ("vllm_version", "import_s", "engine_start_s", "warmup_s", "warmup_temperatures", "process_s", "returncode", "stderr_tail", "traceback", "teardown_note"):  # fmt: skip
         if key in result:
             record[key] = result[key]
     if result.get("status") == "ok":
