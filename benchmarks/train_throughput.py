@@ -17,6 +17,7 @@ matmul ceiling on this device.
 
     python benchmarks/train_throughput.py            # CUDA
     python benchmarks/train_throughput.py --tiny     # CPU smoke (seconds)
+    python benchmarks/train_throughput.py --shape smollm2 --layers 3 --anchors 32 --seq-len 160 --cpu  # default world
 Writes $OUT/train_throughput.json when $OUT is set.
 """
 
@@ -32,18 +33,24 @@ from _out import write_record  # noqa: E402  (benchmarks/ is on sys.path when ru
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftforge.drafter.attention import build_mask, resolve_impl  # noqa: E402
+from draftforge.drafter.attention import resolve_impl  # noqa: E402
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
 from draftforge.train import loss as loss_mod  # noqa: E402
+from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.data import collate  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
-from draftforge.train.loss import block_losses, slot_weights  # noqa: E402
+from draftforge.train.loop import forward_batch, make_objective  # noqa: E402
+from draftforge.train.loss import slot_weights  # noqa: E402
 
 PEAK_BF16 = 989e12
 
 
 def shape(args) -> DFlashConfig:
+    if args.shape == "smollm2":  # the default world: SmolLM2-135M target, its 3-layer drafter (conf/target)
+        return DFlashConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers, num_attention_heads=9,
+                            num_key_value_heads=3, head_dim=64, vocab_size=49152, mask_token_id=3,
+                            target_layer_ids=[1, 8, 14, 20, 27], block_size=args.block, target_num_layers=30)
     if args.tiny:
         return DFlashConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32, vocab_size=4096, mask_token_id=3,
@@ -105,7 +112,7 @@ def sync(device: torch.device) -> None:
 
 
 def run(args) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny and not args.cpu else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = shape(args)
     torch.manual_seed(0)
@@ -127,14 +134,12 @@ def run(args) -> dict:
     gpu_batch = batch.to(device)
     gpu_batch.tapped = gpu_batch.tapped.to(dtype)
 
-    def one_step() -> float:
-        b = gpu_batch
-        mask = build_mask(b.anchors, b.tapped.shape[1], cfg.block_size, impl)
+    obj = make_objective(TrainConfig(), cfg, acceptance_weighting=args.acceptance_weighting) if args.acceptance_weighting else None
+
+    def one_step() -> float:  # the loop's own forward (BlockTask.forward) + the optimizer step of trainer.run
         ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
         with ctx:
-            emb = head.embed_ids(b.block_ids).float()
-            h = model(b.tapped, emb, b.anchors, impl, mask=mask)
-            out = block_losses(h, head.lm_head, b.targets, b.valid, weights)
+            out = forward_batch(model, head, gpu_batch, weights, impl, obj)
         loss = out.weighted_ce_sum / out.weight_sum.clamp_min(1e-6)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -152,6 +157,12 @@ def run(args) -> dict:
         last_loss = one_step()
     sync(device)
     step_s = (time.perf_counter() - t0) / args.steps
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     ceiling = matmul_ceiling(device, dtype, 8192 if device.type == "cuda" else 512)
     achieved = flops["total"] / step_s
     res = {
@@ -184,6 +195,11 @@ def run(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (seconds)")
+    p.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "smollm2"],
+                   help="smollm2: the default world's drafter (use --layers 3 --anchors 32 --seq-len 160 on a CPU)")
+    p.add_argument("--acceptance-weighting", action="store_true", help="the dflash_aw objective (default world)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of the timed steps")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--anchors", type=int, default=512)
