@@ -27,6 +27,7 @@ from workflow_fixtures import clean_copy, failure_report, pipeline_snakemake  # 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(7200)]
 
 BRANCH = "dflash"  # experiment=smoke's one drafter branch
+BUDGET = 8  # the one DDTree budget the SLURM run evaluates (experiment=smoke sweeps 8 and 32)
 # Scheduler requests the test sets through the config (resources section), checked on the jobs SLURM ran.
 MEM_MB, EXTRACT_RUNTIME_MIN = 3000, 30
 # A row's computed values: what must match the local run (timings and the timing-chosen budgets never do).
@@ -57,9 +58,10 @@ def slurm_run(tmp_path_factory, slurm_cluster: LocalSlurm, smoke_repo: Path) -> 
                  # baselines runs as a SLURM job like every stage, its vLLM AR engine only (what it computes is not
                  # compared here, and each further engine costs ~40 s of CI): evaluate's rows are unaffected
                  "baselines.methods.ngram.enabled=false", "baselines.methods.dflash.enabled=false",
-                 # T = 0 only (CI time): the local run's T = 0 rows are computed apart from its T = 1 ones, and the
-                 # evaluation prompts curate decontaminates against do not depend on temperatures
-                 "evaluate.temperatures=[0.0]"]  # fmt: skip
+                 # CI time: T = 0, one tree budget, no calibration prompts. Each local row is computed apart from
+                 # the others (a (temperature, method, budget) pass over the same prompts), and curate decontaminates
+                 # against the whole evaluation sets whatever of them evaluate runs
+                 "evaluate.temperatures=[0.0]", f"evaluate.budgets=[{BUDGET}]", "evaluate.calibration_prompts=0"]  # fmt: skip
     started = time.monotonic()
     result = pipeline_snakemake(
         repo, "--workflow-profile", "profiles/slurm", "--slurm-init-seconds-before-status-checks", "2",
@@ -108,17 +110,20 @@ def _responses(evaluate_dir: Path) -> dict[tuple, list[int]]:
     return out
 
 
-def _at_t0(table: dict[tuple, Any]) -> dict[tuple, Any]:
-    return {k: v for k, v in table.items() if k[ROW_KEY.index("temperature")] == 0.0}
+def _same_pass(key: tuple, fields: tuple[str, ...]) -> bool:
+    """A local row or response of a pass the SLURM run also ran: T = 0, AR / chain (no budget) or BUDGET."""
+    at = dict(zip(fields, key))
+    return at["temperature"] == 0.0 and at["budget"] in (None, BUDGET) and at.get("split", "eval") == "eval"
 
 
 def test_evaluate_tokens_and_tau_equal_the_local_run(slurm_run: dict[str, Any]) -> None:
-    """Every T = 0 row and response (the SLURM run evaluates T = 0 only) equals the local run's."""
+    """Every row and response the SLURM run computed equals the local run's of the same pass."""
     ours, local = stage_dir(slurm_run["exp"], "evaluate"), stage_dir(slurm_run["local"], "evaluate")
-    assert _rows(ours) and _rows(ours) == _at_t0(_rows(local))
+    rows = _rows(ours)
+    assert {k[ROW_KEY.index("method")] for k in rows} == {"ar", "dflash", "ddtree"}
+    assert rows == {k: v for k, v in _rows(local).items() if _same_pass(k, ROW_KEY)}
     responses = _responses(ours)
-    at_t0 = {k: v for k, v in _responses(local).items() if k[1 + RESPONSE_KEY.index("temperature")] == 0.0}
-    assert responses and responses == at_t0
+    assert responses and responses == {k: v for k, v in _responses(local).items() if _same_pass(k, ("dataset", *RESPONSE_KEY))}
 
 
 def test_extract_shard_checksums_equal_the_local_run(slurm_run: dict[str, Any]) -> None:
