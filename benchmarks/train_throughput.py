@@ -61,7 +61,7 @@ def shape(args) -> DFlashConfig:
                         rope_theta=1e6, max_position_embeddings=40960)
 
 
-def make_batch(cfg: DFlashConfig, T: int, n_anchors: int, n_seqs: int, seed: int):
+def make_batch(cfg: DFlashConfig, T: int, n_anchors: int, n_seqs: int, seed: int, with_last: bool = False):
     g = torch.Generator().manual_seed(seed)
     seqs, anchors = [], []
     for _ in range(n_seqs):
@@ -71,7 +71,8 @@ def make_batch(cfg: DFlashConfig, T: int, n_anchors: int, n_seqs: int, seed: int
         hidden = torch.randn(T, cfg.feature_dim, generator=g)
         cand = torch.arange(T // 8, T - 1)
         anchors.append(cand[torch.randperm(cand.numel(), generator=g)[:n_anchors]].sort().values)
-        seqs.append((ids, mask, hidden))
+        last = (torch.randn(T, cfg.hidden_size, generator=g),) if with_last else ()  # the target's last layer
+        seqs.append((ids, mask, hidden, *last))
     return collate(seqs, anchors, cfg.block_size, cfg.mask_token_id)
 
 
@@ -129,7 +130,7 @@ def run(args) -> dict:
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     weights = slot_weights(cfg.block_size, 7.0).to(device)
-    batch = make_batch(cfg, args.seq_len, args.anchors, args.seqs, 0)
+    batch = make_batch(cfg, args.seq_len, args.anchors, args.seqs, 0, with_last=args.acceptance_weighting)
     flops = step_flops(cfg, batch)
     gpu_batch = batch.to(device)
     gpu_batch.tapped = gpu_batch.tapped.to(dtype)

@@ -28,6 +28,24 @@ def test_chunked_terms_equal_dense_reference_fp64(chunk):
 
 
 @pytest.mark.parametrize("chunk", [6, 1000], ids=["chunked", "whole"])
+def test_rows_sharing_a_target_state_equal_the_state_repeated(chunk):
+    """Overlapping blocks predict the same position many times: the target's logits are computed once per distinct
+    state (t_index) and give the terms and gradients of each row carrying its own copy."""
+    h, W, y, ht, e, w2 = _case(seed=3)
+    t_index = torch.tensor([0, 2, 2, 1, 0, 2, 3])  # 7 rows over 4 distinct states
+    coef = torch.tensor([0.3, 0.5, 1.7], dtype=torch.float64)
+    grads = []
+    for states, index in ((ht[:4], t_index), (ht[:4][t_index], None)):
+        leaf = h.clone().requires_grad_()
+        terms, hits = dist_terms(leaf, W, y, states, e, w2, chunk=chunk, t_index=index)
+        (terms.double() * coef).sum().backward()
+        grads.append((terms, hits, leaf.grad))
+    (t1, h1, g1), (t2, h2, g2) = grads
+    assert torch.allclose(t1, t2, atol=1e-6) and torch.equal(h1, h2) and torch.allclose(g1, g2, atol=1e-6)
+    assert torch.allclose(t1.double(), dense_terms(h, W, y, ht[:4], e, w2, t_index=t_index), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [6, 1000], ids=["chunked", "whole"])
 def test_chunked_gradients_equal_dense_autograd(chunk):
     """Both paths: chunks recomputed in the backward, and one chunk whose q, p_t are kept."""
     h, W, y, ht, e, w2 = _case(seed=1)

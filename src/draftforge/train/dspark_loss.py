@@ -62,21 +62,23 @@ def _chunk_logits(h, e, w2, lm_head, lo, hi, dt):
     return z.float()
 
 
-def _target_logits(ht, lm_head, lo, hi, dt):
-    return (ht.to(dt) @ lm_head[lo:hi].to(dt).t()).float()
+def _target_logits(ht, lm_head, lo, hi, dt, t_index=None):
+    """(M, hi - lo) fp32 target logits of every row: one product per distinct state, gathered per row."""
+    t = (ht.to(dt) @ lm_head[lo:hi].to(dt).t()).float()
+    return t if t_index is None else t[t_index]
 
 
 class ChunkedDistLoss(torch.autograd.Function):
     """→ terms (M, 3) fp32 [ce, kl, tv] per row (differentiable) and top-1 hits (M,) bool."""
 
     @staticmethod
-    def forward(ctx, h, e, w2, lm_head, ht, y, chunk: int):
+    def forward(ctx, h, e, w2, lm_head, ht, y, chunk: int, t_index=None):
         M, V = h.shape[0], lm_head.shape[0]
         dev, dt = h.device, _matmul_dtype(h, lm_head)
         has_t = ht is not None
         ctx.whole = chunk >= V
         if ctx.whole:
-            return _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt)
+            return _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt, t_index)
         lse_z = torch.full((M,), float("-inf"), device=dev)
         lse_t = torch.full((M,), float("-inf"), device=dev)
         best = torch.full((M,), float("-inf"), device=dev)
@@ -92,7 +94,7 @@ class ChunkedDistLoss(torch.autograd.Function):
             inside = (y >= lo) & (y < hi)
             z_y = torch.where(inside, z.gather(1, (y - lo).clamp(0, hi - lo - 1)[:, None]).squeeze(1), z_y)
             if has_t:
-                lse_t = torch.logaddexp(lse_t, torch.logsumexp(_target_logits(ht, lm_head, lo, hi, dt), -1))
+                lse_t = torch.logaddexp(lse_t, torch.logsumexp(_target_logits(ht, lm_head, lo, hi, dt, t_index), -1))
         kl = torch.zeros(M, device=dev)
         l1 = torch.zeros(M, device=dev)
         qs = torch.zeros(M, device=dev)
@@ -100,14 +102,14 @@ class ChunkedDistLoss(torch.autograd.Function):
             for lo in range(0, V, chunk):
                 hi = min(V, lo + chunk)
                 logq = _chunk_logits(h, e, w2, lm_head, lo, hi, dt) - lse_z[:, None]
-                logp = _target_logits(ht, lm_head, lo, hi, dt) - lse_t[:, None]
+                logp = _target_logits(ht, lm_head, lo, hi, dt, t_index) - lse_t[:, None]
                 q, p = logq.exp(), logp.exp()
                 kl += (p * (logp - logq)).sum(-1)
                 l1 += (q - p).abs().sum(-1)
                 qs += (q * torch.sign(q - p)).sum(-1)
         terms = torch.stack([lse_z - z_y, kl, 0.5 * l1], dim=-1)
         hits = arg == y
-        ctx.save_for_backward(h, e, w2, lm_head, ht, y, lse_z, lse_t, qs)
+        ctx.save_for_backward(h, e, w2, lm_head, ht, y, lse_z, lse_t, qs, t_index)
         ctx.chunk, ctx.dt = chunk, dt
         ctx.mark_non_differentiable(hits)
         return terms, hits
@@ -116,7 +118,7 @@ class ChunkedDistLoss(torch.autograd.Function):
     def backward(ctx, g_terms, _g_hits):
         if ctx.whole:
             return _backward_whole(ctx, g_terms)
-        h, e, w2, lm_head, ht, y, lse_z, lse_t, qs = ctx.saved_tensors
+        h, e, w2, lm_head, ht, y, lse_z, lse_t, qs, t_index = ctx.saved_tensors
         V, dt = lm_head.shape[0], ctx.dt
         g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
         need_h, need_e, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -131,7 +133,7 @@ class ChunkedDistLoss(torch.autograd.Function):
             inside = (y >= lo) & (y < hi)
             gz[rows[inside], y[inside] - lo] -= g_ce[inside]
             if ht is not None:
-                p = (_target_logits(ht, lm_head, lo, hi, dt) - lse_t[:, None]).exp()
+                p = (_target_logits(ht, lm_head, lo, hi, dt, t_index) - lse_t[:, None]).exp()
                 gz += g_kl[:, None] * (q - p)
                 gz += (0.5 * g_tv)[:, None] * q * (torch.sign(q - p) - qs[:, None])
             if gh is not None:
@@ -141,10 +143,10 @@ class ChunkedDistLoss(torch.autograd.Function):
             if gw2 is not None:
                 gw2[lo:hi] += gz.t() @ e.float()
         cast = lambda g, ref: None if g is None else g.to(ref.dtype)  # noqa: E731
-        return cast(gh, h), cast(ge, e), cast(gw2, w2), None, None, None, None
+        return cast(gh, h), cast(ge, e), cast(gw2, w2), None, None, None, None, None
 
 
-def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt):
+def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt, t_index=None):
     """ChunkedDistLoss.forward with one chunk: logits once, q (and p_t) saved for the backward."""
     V = lm_head.shape[0]
     z = _chunk_logits(h, e, w2, lm_head, 0, V, dt)  # (M, V) fp32
@@ -155,7 +157,9 @@ def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt):
     del z
     q = logq.exp()
     if ht is not None:
-        logp = torch.log_softmax(_target_logits(ht, lm_head, 0, V, dt), -1)
+        logp = torch.log_softmax(_target_logits(ht, lm_head, 0, V, dt), -1)  # (U, V): one per distinct state
+        if t_index is not None:
+            logp = logp[t_index]  # (M, V)
         p = logp.exp()
         kl = (p * (logp - logq)).sum(-1)
         l1 = (q - p).abs().sum(-1)
@@ -182,17 +186,21 @@ def _backward_whole(ctx, g_terms):
     gh = (gz @ lm_head.float()).to(h.dtype) if need_h else None
     ge = (gz @ w2.float()).to(e.dtype) if (need_e and e is not None) else None
     gw2 = (gz.t() @ e.float()).to(w2.dtype) if (need_w2 and w2 is not None) else None
-    return gh, ge, gw2, None, None, None, None
+    return gh, ge, gw2, None, None, None, None, None
 
 
-def dist_terms(h, lm_head, y, ht=None, e=None, w2=None, chunk: int = 8192):
-    """h (M, H), lm_head (V, H) frozen, y (M,), ht (M, H) target last hidden or None, e (M, r) / w2 (V, r)
-    the Markov embedding and projection (or None) → (terms (M, 3) [ce, kl, tv], hits (M,))."""
-    return ChunkedDistLoss.apply(h, e, w2, lm_head, ht, y, int(chunk))
+def dist_terms(h, lm_head, y, ht=None, e=None, w2=None, chunk: int = 8192, t_index=None):
+    """h (M, H), lm_head (V, H) frozen, y (M,), ht (U, H) target last hidden states or None, t_index (M,) the
+    state of each row (None: U = M, row i's is ht[i]), e (M, r) / w2 (V, r) the Markov embedding and projection
+    (or None) → (terms (M, 3) [ce, kl, tv], hits (M,)). The target's logits are computed once per distinct
+    state: the overlapping blocks of a sequence predict the same positions many times over."""
+    return ChunkedDistLoss.apply(h, e, w2, lm_head, ht, y, int(chunk), t_index)
 
 
-def dense_terms(h, lm_head, y, ht=None, e=None, w2=None):
+def dense_terms(h, lm_head, y, ht=None, e=None, w2=None, t_index=None):
     """Reference of dist_terms with full (M, V) tensors (tests)."""
+    if ht is not None and t_index is not None:
+        ht = ht[t_index]
     z = h @ lm_head.t() + (e @ w2.t() if e is not None else 0)
     logq = torch.log_softmax(z, -1)
     ce = -logq.gather(1, y[:, None]).squeeze(1)
@@ -227,16 +235,17 @@ def reach_weights(accept: torch.Tensor, block_id: torch.Tensor, draft_index: tor
 
 def objective(h, lm_head, y, w_row, weights: dict[str, float], ht=None, e=None, w2=None, conf_logit=None,
               conf_weight: float = 0.0, chunk: int = 8192,
-              reach: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> DistOutputs:
+              reach: tuple[torch.Tensor, torch.Tensor, int, int] | None = None, t_index=None) -> DistOutputs:
     """The weighted block objective over M rows (see the module docstring). `reach` = (block_id, draft_index,
     n_blocks, n_draft) of each row: the row weights are also multiplied by `reach_weights` (acceptance
-    weighting, detached)."""
+    weighting, detached). ht, t_index: the distinct target states and each row's (`dist_terms`)."""
     weights = check_weights(weights)
     if ht is None and (weights.get("kl", 0) > 0 or weights.get("tv", 0) > 0 or (conf_logit is not None and conf_weight > 0)
                        or reach is not None):
         raise ValueError("kl / tv / confidence terms and acceptance weighting need the target's last hidden state "
                          "(extract it for this drafter)")
-    terms, hits = dist_terms(h, lm_head, y, ht, e, w2, effective_chunk(h.shape[0], lm_head.shape[0], ht is not None, chunk))
+    terms, hits = dist_terms(h, lm_head, y, ht, e, w2, effective_chunk(h.shape[0], lm_head.shape[0], ht is not None, chunk),
+                             t_index)
     lam = torch.tensor([weights.get(t, 0.0) for t in TERMS], device=h.device)
     per_row = (terms * lam).sum(-1)
     accept = (1.0 - terms[:, 2]).detach() if ht is not None else None

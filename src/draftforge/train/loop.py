@@ -139,12 +139,14 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
     y = batch.targets.reshape(-1)[flat]
     prev = batch.prev_ids.reshape(-1)[flat]
     w_row = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat]
-    ht = None
-    if batch.last is not None:
+    ht = t_index = None
+    if batch.last is not None:  # the target's state before each row's position, once per distinct (sequence, position)
         k = torch.arange(B, device=h.device)
-        pos = (batch.anchors[:, :, None] + k + batch.pred_offset - 1).clamp(0, batch.last.shape[1] - 1)  # (S, N, B)
+        T = batch.last.shape[1]
+        pos = (batch.anchors[:, :, None] + k + batch.pred_offset - 1).clamp(0, T - 1)  # (S, N, B)
         seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
-        ht = batch.last[seq.reshape(-1)[flat], pos.reshape(-1)[flat]].to(hv.dtype)
+        distinct, t_index = torch.unique(seq.reshape(-1)[flat] * T + pos.reshape(-1)[flat], return_inverse=True)  # (U,), (M,)
+        ht = batch.last[distinct // T, distinct % T].to(hv.dtype)  # (U, H)
     raw = model
     e = w2 = conf_logit = None
     if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
@@ -158,7 +160,7 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         first = convention(raw.cfg)[0]
         reach = (idx // B, idx % B - first, S * N, B - first)
     out = objective(hv, head.lm_head, y, w_row, obj.weights, ht=ht, e=e, w2=w2, conf_logit=conf_logit,
-                    conf_weight=obj.conf_weight, chunk=obj.chunk, reach=reach)
+                    conf_weight=obj.conf_weight, chunk=obj.chunk, reach=reach, t_index=t_index)
     correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
     correct[flat] = out.hits
     res = BlockOutputs(out.weighted_sum, out.weight_sum, correct.view(S, N, B), batch.valid)
