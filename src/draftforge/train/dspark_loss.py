@@ -15,7 +15,7 @@ Memory: the vocabulary is processed in chunks of `chunk` columns, in fp32, by a 
 (two passes forward: log-sum-exp of z and t, then the terms; one pass backward recomputing each chunk):
 nothing of size rows × V is ever materialised beyond one rows × chunk block. When one chunk covers the
 vocabulary (`objective` picks that whenever the rows × V fp32 probabilities fit WHOLE_VOCAB_BYTES: a CPU
-batch of 512 rows × 49,152 is 200 MB) the logits are computed once and q, p_t kept for the backward —
+batch of 512 rows × 49,152 is 200 MB) the logits are computed once and q, q - p_t kept for the backward —
 ~1.8× fewer LM-head products than recomputing, the same values up to summation order. The gradient w.r.t. z_j is
     g_ce (q_j - 1[j=y]) + g_kl (q_j - p_j) + g_tv · ½ q_j (s_j - Σ_v q_v s_v),   s = sign(q - p_t).
 """
@@ -146,42 +146,55 @@ class ChunkedDistLoss(torch.autograd.Function):
         return cast(gh, h), cast(ge, e), cast(gw2, w2), None, None, None, None, None
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(M, V), (M, V) → (M,) Σ_v a·b in one pass (a batched GEMV; no (M, V) product is materialised)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _forward_whole(ctx, h, e, w2, lm_head, ht, y, dt, t_index=None):
-    """ChunkedDistLoss.forward with one chunk: logits once, q (and p_t) saved for the backward."""
+    """ChunkedDistLoss.forward with one chunk: logits once, q and d = q - p_t saved for the backward.
+
+    Each (M, V) pass is memory-bound on a CPU, so the terms take as few as they can:
+    kl = Σ p log p (once per distinct target state) - Σ p log q, tv = ½ Σ d·sign(d), qs = Σ q·sign(d)."""
     V = lm_head.shape[0]
     z = _chunk_logits(h, e, w2, lm_head, 0, V, dt)  # (M, V) fp32
     lse_z = torch.logsumexp(z, -1)
-    arg = z.max(-1).indices
+    arg = z.argmax(-1)
     ce = lse_z - z.gather(1, y[:, None]).squeeze(1)
-    logq = z - lse_z[:, None]
-    del z
+    logq = z.sub_(lse_z[:, None])  # z is not read again
     q = logq.exp()
     if ht is not None:
         logp = torch.log_softmax(_target_logits(ht, lm_head, 0, V, dt), -1)  # (U, V): one per distinct state
-        if t_index is not None:
-            logp = logp[t_index]  # (M, V)
         p = logp.exp()
-        kl = (p * (logp - logq)).sum(-1)
-        l1 = (q - p).abs().sum(-1)
-        qs = (q * torch.sign(q - p)).sum(-1)
+        p_logp = _rowdot(p, logp)  # (U,)
+        if t_index is not None:
+            p, p_logp = p[t_index], p_logp[t_index]  # (M, V), (M,)
+        kl = p_logp - _rowdot(p, logq)
+        d = q - p
+        del p, logq
+        sign = torch.sign(d)
+        l1, qs = _rowdot(d, sign), _rowdot(q, sign)
     else:
-        p = qs = None
+        d = qs = None
         kl = l1 = torch.zeros_like(ce)
-    ctx.save_for_backward(h, e, w2, lm_head, y, q, p, qs)
+    ctx.save_for_backward(h, e, w2, lm_head, y, q, d, qs)
     hits = arg == y
     ctx.mark_non_differentiable(hits)
     return torch.stack([ce, kl, 0.5 * l1], dim=-1), hits
 
 
 def _backward_whole(ctx, g_terms):
-    h, e, w2, lm_head, y, q, p, qs = ctx.saved_tensors
+    """gz = q ⊙ (g_ce + ½ g_tv (sign(d) - qs)) + g_kl d - g_ce 1[y]  (= the module docstring's gradient, d = q - p)."""
+    h, e, w2, lm_head, y, q, d, qs = ctx.saved_tensors
     g_ce, g_kl, g_tv = g_terms.float().unbind(-1)
-    gz = g_ce[:, None] * q  # (M, V) fp32
+    if d is not None:
+        half_tv = 0.5 * g_tv
+        gz = torch.sign(d).mul_(half_tv[:, None]).add_((g_ce - half_tv * qs)[:, None]).mul_(q)  # (M, V) fp32
+        gz.addcmul_(d, g_kl[:, None])
+    else:
+        gz = g_ce[:, None] * q
     rows = torch.arange(h.shape[0], device=h.device)
     gz[rows, y] -= g_ce
-    if p is not None:
-        gz += g_kl[:, None] * (q - p)
-        gz += (0.5 * g_tv)[:, None] * q * (torch.sign(q - p) - qs[:, None])
     need_h, need_e, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     gh = (gz @ lm_head.float()).to(h.dtype) if need_h else None
     ge = (gz @ w2.float()).to(e.dtype) if (need_e and e is not None) else None
