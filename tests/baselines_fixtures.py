@@ -29,24 +29,6 @@ def plain_cfg(**overrides: Any) -> SimpleNamespace:
     return cfg
 
 
-def save_bigram_llama(out_dir: Path, seed: int = 0) -> Path:
-    """Random 4-layer Llama whose layers are the identity (greedy decoding is a fixed map t → f(t),
-    so outputs enter a cycle and n-gram lookup gets accepted); special tokens never emitted."""
-    import torch
-
-    from draftforge.baselines.mtp_target import silence_special_rows_, zero_mixing_
-    from draftforge.target.config import RandomTargetConfig
-    from draftforge.target.random import SPECIAL_TOKENS, build_byte_tokenizer, build_random_model
-
-    model = build_random_model(RandomTargetConfig(seed=seed))
-    zero_mixing_(model)
-    silence_special_rows_(model, list(range(len(SPECIAL_TOKENS))))
-    model.generation_config.eos_token_id = 2
-    model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
-    build_byte_tokenizer(model.config.vocab_size).save_pretrained(out_dir)
-    return out_dir
-
-
 def export_random_drafter(info: dict, out_dir: Path, seed: int = 0) -> Path:
     """A random DFlash drafter for `info`'s target, exported in vLLM's dflash layout (fp32)."""
     import torch

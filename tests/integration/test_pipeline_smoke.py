@@ -95,6 +95,45 @@ def test_sampled_rows_in_both_engines_and_the_lossless_check_on_the_real_target(
     assert "## Lossless at T > 0" in text and "T = 1 · `ddtree`" in text and "FAILED" not in text
 
 
+def test_vllm_rows_are_rederived_from_the_engine_counters(smoke_repo: Path) -> None:
+    """vLLM on the real target (ar / ngram / dflash): each row's τ and per-position acceptance re-derived from the raw
+    counter snapshots the worker stored around its segment; greedy speculation reproduces AR's tokens; every prompt
+    runs to max_new_tokens (special tokens silenced); the n-gram lookup gets drafts accepted on the code set; the
+    MLflow runs carry the rows' τ."""
+    from draftforge.baselines import metrics as M
+
+    out = smoke_repo / "results" / "smoke" / "baselines" / "dflash"
+    marker = json.loads((out / "baselines.json").read_text())
+    rows = {(r["method"], r["dataset"], r["temperature"]): r for r in marker["rows"]}
+    for method in ("ar", "ngram", "dflash"):
+        rec = json.loads((out / f"{method}.json").read_text())
+        k = rec["num_speculative_tokens"] or 0
+        for seg in rec["segments"]:
+            row = rows[(method, seg["dataset"], seg["temperature"])]
+            d = M.delta(seg["metrics_before"], seg["metrics_after"])
+            acc = M.acceptance(d)
+            n_out = sum(p["n_output"] for p in seg["prompts"])
+            assert all(p["n_output"] == marker["max_new_tokens"] for p in seg["prompts"]), (method, seg["dataset"])
+            assert d["counters"][M.GENERATION_TOKENS] == n_out and M.check_consistency(acc) == []
+            assert row["num_drafts"] == acc["num_drafts"]
+            if acc["num_drafts"]:  # (no draft at all: τ is undefined, the row says None)
+                assert row["tau"] == pytest.approx(acc["tau"])
+            if seg["temperature"] == 0.0:
+                assert row["lossless_mismatches"] == 0, f"{method}: greedy fp32 speculation changed the output"
+            if method == "dflash":  # a model drafter verifies one draft of k tokens every decode step
+                assert acc["num_draft_tokens"] == acc["num_drafts"] * k
+                assert n_out <= len(seg["prompts"]) + acc["num_drafts"] + acc["num_accepted_tokens"] < n_out + len(seg["prompts"]) * (1 + k)
+                assert row["acceptance_per_pos"] == pytest.approx(acc["acceptance_per_pos"]) and len(acc["accepted_per_pos"]) == k
+    assert rows[("ngram", "humaneval", 0.0)]["tau"] > 1.0, "the code prompt repeats itself: n-gram drafts must get accepted"
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{smoke_repo / 'results' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["draftforge/smoke"], filter_string="tags.stage = 'baselines'")
+    ngram = runs[(runs["tags.method"] == "ngram") & (runs["tags.dataset"] == "humaneval")]
+    assert set(runs["tags.engine"]) == {"vllm"} and len(ngram) == 1
+    assert ngram.iloc[0]["metrics.tau"] == pytest.approx(rows[("ngram", "humaneval", 0.0)]["tau"])
+
+
 def planned(repo: Path, *config: str, extra: tuple[str, ...] = ()) -> set[str]:
     result = snakemake(repo, "-n", "--config", "experiment=smoke", *config, *extra, timeout=600)
     assert result.returncode == 0, result.stderr
