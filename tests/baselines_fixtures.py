@@ -1,5 +1,5 @@
 """Helpers for the baselines tests: fake `vllm` packages (harness failure paths without an engine),
-predictable tiny targets (bigram Llama, MiMo MTP) and a random exported DFlash drafter."""
+and a random exported DFlash drafter."""
 
 from __future__ import annotations
 
