@@ -174,7 +174,6 @@ def test_markov_tree_is_the_budget_best_prefixes_by_brute_force():
     for trial in range(6):
         base = 3 * torch.randn(D, V, generator=g)
         table = 3 * torch.randn(V, V, generator=g)  # bias(x) = table[x]
-        bias = table.__getitem__
         scores = {}
         for depth in range(1, D + 1):
             for path in itertools.product(range(V), repeat=depth):
@@ -183,13 +182,17 @@ def test_markov_tree_is_the_budget_best_prefixes_by_brute_force():
                     s += float(torch.log_softmax(base[d] + table[prev], -1)[tok])
                     prev = tok
                 scores[path] = s
-        for budget in (1, 5, 17, 40):
+        for budget, batch in itertools.product((1, 5, 17, 40), (1, 3, 8)):
             want = set(sorted(scores, key=lambda p: -scores[p])[:budget])
-            tree = build_markov_tree(2, base, bias, budget)
+            rows: list[int] = []
+            bias = lambda prev, rows=rows, table=table: rows.append(len(prev)) or table[prev]  # noqa: E731
+            tree = build_markov_tree(2, base, bias, budget, batch)
+            if batch == 1:  # lazy expansion: the root and accepted nodes only, each once
+                assert sum(rows) <= budget + 1, (trial, budget, rows)
             paths = []
             for i in range(1, len(tree)):
                 assert tree.parents[i] < i, (trial, budget)
                 parent = paths[tree.parents[i] - 1] if tree.parents[i] > 0 else ()
                 paths.append(parent + (tree.tokens[i],))
-            assert set(paths) == want, (trial, budget)
+            assert set(paths) == want, (trial, budget, batch)
             assert tree.scores[1:] == pytest.approx([scores[p] for p in paths], abs=1e-4)
