@@ -122,7 +122,7 @@ def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: t
         k *= 4
 
 
-def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int = 8) -> Tree:
+def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int = 4) -> Tree:
     """The `budget` best prefixes, where a node at depth d with token x has children ranked by
     log_softmax(base[d] + bias(x)) (fp32, full vocabulary), top K = min(budget, V) of them.
 
