@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from draftforge.extract.batching import make_batches, pad_batch  # noqa: E402
+from draftforge.extract.config import ExtractConfig  # noqa: E402
 from draftforge.extract.plan import ExtractPlan, ShardRows, ShardSpec, _cut  # noqa: E402
 from draftforge.extract.runner import TargetView, run_rank  # noqa: E402
 from draftforge.target.config import RandomTargetConfig  # noqa: E402
@@ -83,7 +84,7 @@ def plain_forward(model, plan: ExtractPlan, load_rows, tokens_per_batch: int, de
     t0 = time.perf_counter()
     for shard in plan.shards:
         rows = load_rows(shard)
-        for b in make_batches(shard.lengths, tokens_per_batch):
+        for b in make_batches(shard.lengths, tokens_per_batch, ExtractConfig.batch_fill):  # the stage's batches
             ids, mask, _ = pad_batch(rows.input_ids, rows.offsets, b, 0, device)
             out = fwd(input_ids=ids, attention_mask=mask, use_cache=False)
             del out
@@ -100,7 +101,7 @@ def forward_flops(spec: RandomTargetConfig, plan: ExtractPlan, tokens_per_batch:
     per_layer = h * spec.num_heads * hd * 2 + h * spec.num_kv_heads * hd * 2 + 3 * h * spec.intermediate_size
     flops = 0.0
     for shard in plan.shards:
-        for b in make_batches(shard.lengths, tokens_per_batch):
+        for b in make_batches(shard.lengths, tokens_per_batch, ExtractConfig.batch_fill):  # the stage's batches
             rows, t = b.stop - b.first, b.padded_len
             flops += 2 * per_layer * spec.num_layers * rows * t
             flops += spec.num_layers * rows * 2 * 2 * t * t * spec.num_heads * hd / 2  # QK^T + PV, causal half

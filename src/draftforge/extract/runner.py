@@ -24,6 +24,7 @@ from tqdm import tqdm
 from draftforge.errors import StageError
 from draftforge.extract.batching import make_batches, pad_batch
 from draftforge.extract.capture import TapCapture
+from draftforge.extract.config import ExtractConfig
 from draftforge.extract.plan import ExtractPlan, InputReader, ShardRows, ShardSpec
 from draftforge.extract.shard_format import STORAGE_TORCH_DTYPES, encode_hidden, shard_name, write_shard
 from draftforge.io import read_json, write_json
@@ -92,7 +93,7 @@ class ShardExtractor:
 
     def __init__(self, target: TargetView, *, storage_dtype: str, tokens_per_batch: int, device: torch.device,
                  stop_after_last_tap: bool = True, max_shard_tokens: int = 0, n_buffers: int = 2,
-                 store_last: bool = False, batch_fill: float = 0.0) -> None:  # fmt: skip
+                 store_last: bool = False, batch_fill: float = ExtractConfig.batch_fill) -> None:  # fmt: skip
         self.target = target
         self.capture = TapCapture(target.model, target.layer_ids, stop_after_last=stop_after_last_tap,
                                   capture_last=store_last)
@@ -170,7 +171,7 @@ def run_rank(
     tokens_per_batch: int,
     max_seq_len: int,
     device: torch.device,
-    batch_fill: float = 0.0,
+    batch_fill: float = ExtractConfig.batch_fill,
     stop_after_last_tap: bool = True,
     store_last: bool = False,
     progress: bool = True,
