@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (scripts/test.sh: one worker per core) each worker's torch takes its share of the cores, so
+# workers do not oversubscribe them; set before anything imports torch. Pipeline stages set their own threads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 
 REPO = Path(__file__).resolve().parents[1]
 

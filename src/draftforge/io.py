@@ -7,6 +7,7 @@ not the 0600 / 0700 of its private temp name: results folders are shared.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -86,6 +87,21 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(final: str | Path) -> Iterator[None]:
+    """An exclusive advisory lock beside `final` (`.<name>.lock`) for the block: of several processes that find a
+    shared cached folder missing (two runs on one cache), one builds it while the others wait, then re-check and
+    find it built. The kernel drops the lock when its holder exits, however it exits."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f".{final.name}.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

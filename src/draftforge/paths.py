@@ -39,6 +39,12 @@ def stage_marker(results_root: str | Path, experiment: str, stage: str, drafter:
     return stage_dir(results_root, experiment, stage, drafter) / STAGE_MARKERS[stage]
 
 
+def part_marker(results_root: str | Path, experiment: str, part: int | str) -> Path:
+    """results/<exp>/extract/parts/part-<k>.json: the extract_part rule's declared output (`part` may be the
+    Snakemake wildcard pattern "{part}")."""
+    return stage_dir(results_root, experiment, "extract") / "parts" / f"part-{part}.json"
+
+
 def cache_dir(results_root: str | Path) -> Path:
     env = os.environ.get("DRAFTFORGE_CACHE")
     return Path(env).resolve() if env else Path(results_root).resolve() / "cache"

@@ -24,10 +24,13 @@ from slurm_fixtures import LocalSlurm  # noqa: E402
 from workflow_fixtures import clean_copy, failure_report, pipeline_snakemake  # noqa: E402
 
 # timeout: its first test may also run the session's local smoke pipeline (smoke_repo) before its own
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(7200)]
+# xdist_group: one pytest-xdist worker runs this module and its sibling (the local smoke and SLURM pipeline
+# tests), so the session's smoke_repo and SLURM cluster are built once
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(7200),
+              pytest.mark.xdist_group("smoke_pipeline")]
 
 BRANCH = "dflash"  # experiment=smoke's one drafter branch
-BUDGET = 8  # the one DDTree budget the SLURM run evaluates (experiment=smoke sweeps 8 and 32)
+BUDGET = 8  # the one DDTree budget the SLURM run evaluates (experiment=smoke sweeps 4 and 8)
 # Scheduler requests the test sets through the config (resources section), checked on the jobs SLURM ran.
 MEM_MB, EXTRACT_RUNTIME_MIN = 3000, 30
 # A row's computed values: what must match the local run (timings and the timing-chosen budgets never do).

@@ -23,7 +23,10 @@ from draftforge.stages import PER_DRAFTER, STAGE_MARKERS, STAGES
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workflow_fixtures import pipeline_snakemake  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600)]
+# xdist_group: one pytest-xdist worker runs this module and its sibling (the local smoke and SLURM pipeline
+# tests), so the session's smoke_repo and SLURM cluster are built once
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(3600),
+              pytest.mark.xdist_group("smoke_pipeline")]
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "tests" / "plugins"  # toy_drafter.py: a drafter type registered from outside draftforge

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from draftforge.errors import StageError
-from draftforge.extract.parts import part_marker
 from draftforge.extract.stage import run_extract
 from draftforge.io import read_json, write_json
+from draftforge.paths import part_marker
 from extract_fixtures import EXPERIMENT, LENGTHS, context, make_experiment
 
 

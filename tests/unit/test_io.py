@@ -41,3 +41,33 @@ def test_atomic_outputs_get_the_mode_of_a_plain_open(tmp_path: Path, umask: int)
         assert _mode(tmp_path / name) == _mode(plain), name
     assert _mode(tmp_path / "export") == _mode(tmp_path / "export" / "nested") == _mode(tmp_path / "plain_dir") == 0o777 & ~umask
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left behind
+
+
+def _build_once(final: str, log: str) -> None:
+    """What a cache builder does: check, lock, check again, build (slowly) atomically."""
+    import time
+
+    target = Path(final)
+    if (target / "done").is_file():
+        return
+    with io.build_lock(target):
+        if (target / "done").is_file():
+            return
+        with open(log, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        with io.atomic_dir(target) as tmp:
+            time.sleep(0.5)
+            (tmp / "done").write_text("ok")
+
+
+def test_build_lock_lets_one_of_concurrent_processes_build_a_cached_folder(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    final, log = tmp_path / "cache" / "targets" / "x", tmp_path / "builds.log"
+    procs = [mp.get_context("fork").Process(target=_build_once, args=(str(final), str(log))) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1 and (final / "done").read_text() == "ok"

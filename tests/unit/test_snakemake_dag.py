@@ -204,3 +204,20 @@ def test_a_bad_value_fails_the_dry_run_naming_the_key(tmp_path: Path, override: 
     assert result.returncode != 0
     assert f"{named}: " in result.stdout + result.stderr
     assert "Job stats" not in result.stdout  # nothing was planned, let alone run
+
+
+def test_the_workflow_parse_imports_no_torch() -> None:
+    """Every Snakemake run parses the Snakefile (a cluster job parses it again inside the job): what it imports
+    from draftforge, and the config compose it runs, stay torch-free (torch alone is ~3 s of each parse)."""
+    sources = [REPO / "Snakefile", *sorted((REPO / "workflow" / "rules").glob("*.smk"))]
+    modules = sorted({m for p in sources for m in re.findall(r"^from (draftforge[\w.]*) import", p.read_text(), re.M)})
+    assert "draftforge.config" in modules and "draftforge.paths" in modules, modules
+    code = "\n".join([*(f"import {m}" for m in modules), "import sys",
+                      "from draftforge.config import branch_overrides, compose",
+                      "for exp in ('default', 'smoke'):",
+                      "    for d in compose(exp).drafters: compose(exp, branch_overrides(str(d)))",
+                      "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"])  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -3,8 +3,7 @@ import shlex
 from snakemake.exceptions import WorkflowError
 from draftforge.config import branch_overrides, stage_overrides
 from draftforge.drafter.registry import ignored_keys
-from draftforge.extract.parts import part_marker
-from draftforge.paths import stage_dir, stage_marker
+from draftforge.paths import part_marker, stage_dir, stage_marker
 from draftforge.resources import stage_resources
 from draftforge.stages import PER_DRAFTER, STAGE_BY_NAME, STAGE_TABLE, stage_inputs
 

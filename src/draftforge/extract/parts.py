@@ -16,15 +16,9 @@ from draftforge.errors import StageError
 from draftforge.extract.plan import ExtractPlan
 from draftforge.extract.runner import read_done
 from draftforge.io import read_json, write_json
-from draftforge.paths import stage_dir
+from draftforge.paths import part_marker
 
 PART_FORMAT = "draftforge.extract.part/1"
-
-
-def part_marker(results_root: str | Path, experiment: str, part: int | str) -> Path:
-    """results/<exp>/extract/parts/part-<k>.json: the extract_part rule's declared output (`part` may be the
-    Snakemake wildcard pattern "{part}")."""
-    return stage_dir(results_root, experiment, "extract") / "parts" / f"part-{part}.json"
 
 
 def write_part_marker(path: Path, plan: ExtractPlan, shard_dir: Path, *, part: int, parts: int, world_size: int,

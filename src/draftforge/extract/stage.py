@@ -23,11 +23,12 @@ import torch.distributed as torch_dist
 from draftforge.chat import RECORD_KEY, ChatMode
 from draftforge.errors import StageError
 from draftforge.extract.index import finalize, verify_owned
-from draftforge.extract.parts import part_marker, read_part_markers, write_part_marker
+from draftforge.extract.parts import read_part_markers, write_part_marker
 from draftforge.extract.plan import ExtractPlan, plan_extraction
 from draftforge.extract.preflight import FreeBytes, check_disk, disk_free, estimate_bytes
 from draftforge.extract.runner import TargetView, read_done, run_rank
 from draftforge.io import read_json, sha256_json, write_json
+from draftforge.paths import part_marker
 from draftforge.runtime import dtype_named, init_distributed, pick_device
 
 log = logging.getLogger(__name__)

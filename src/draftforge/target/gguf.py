@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from draftforge.errors import StageError
-from draftforge.io import atomic_dir, sha256_file, write_json
+from draftforge.io import atomic_dir, build_lock, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,16 @@ def convert_gguf(gguf_path: Path, cache_root: Path, name: str) -> Path:
     """HF folder for `gguf_path` under cache_root/targets/<name>-<sha16>/; converted at most once."""
     sha = sha256_file(gguf_path)
     final = cache_root / "targets" / f"{name}-{sha[:16]}"
-    if (final / "draftforge-conversion.json").is_file():
+    done = final / "draftforge-conversion.json"
+    if done.is_file():
         return final
+    with build_lock(final):  # another run converting the same file: wait for it, then use its folder
+        if not done.is_file():
+            _convert(gguf_path, final, sha)
+    return final
+
+
+def _convert(gguf_path: Path, final: Path, sha: str) -> None:
     check_gguf(gguf_path)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -69,4 +77,3 @@ def convert_gguf(gguf_path: Path, cache_root: Path, name: str) -> Path:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json(tmp / "draftforge-conversion.json", {"gguf": str(gguf_path), "sha256": sha})
-    return final

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from draftforge.errors import StageError
-from draftforge.io import atomic_dir, sha256_json, write_json
+from draftforge.io import atomic_dir, build_lock, sha256_json, write_json
 from draftforge.paths import cache_dir
 from draftforge.target.config import default_tap_ids
 from draftforge.target.info import DrafterInputs, TargetInfo
@@ -29,8 +29,10 @@ def _random_folder(spec: dict[str, Any], cache_root: Path) -> Path:
 
     final = cache_root / "targets" / f"random-{sha256_json(spec)[:16]}"
     if not (final / "config.json").is_file():
-        with atomic_dir(final) as tmp:
-            save_random_target(RandomTargetConfig(**spec), tmp)
+        with build_lock(final):
+            if not (final / "config.json").is_file():
+                with atomic_dir(final) as tmp:
+                    save_random_target(RandomTargetConfig(**spec), tmp)
     return final
 
 
