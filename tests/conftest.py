@@ -67,3 +67,15 @@ def slurm_cluster(tmp_path_factory):
     from slurm_fixtures import local_slurm
 
     yield from local_slurm(tmp_path_factory.mktemp("slurm"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under `--dist loadgroup` every `xdist_group` test must carry its group in its node id (how pytest-xdist sends a
+    group to one worker): a pytest/xdist pair that drops it would build the shared pipeline fixtures on every worker,
+    silently doubling the suite's time."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist did not group {lost[:2]}...: use the pytest pyproject.toml pins (< 9)")
