@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist (scripts/test.sh: one worker per core) each worker's torch takes its share of the cores, so
 # workers do not oversubscribe them; set before anything imports torch. Pipeline stages set their own threads.
+# Each worker also times under a timing lock of its own (draftforge/timing_lock.py): the suite compares no
+# timings, and a machine-wide lock would idle one worker while the other's pipeline holds it.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+    _lock_dir = Path(tempfile.gettempdir()) / f"draftforge-timing-{os.getppid()}-{os.environ['PYTEST_XDIST_WORKER']}"
+    _lock_dir.mkdir(exist_ok=True)
+    os.environ.setdefault("DRAFTFORGE_TIMING_LOCK_DIR", str(_lock_dir))
 
 REPO = Path(__file__).resolve().parents[1]
 

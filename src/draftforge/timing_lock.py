@@ -46,8 +46,14 @@ class TimingLockConfig:
         check(self.timeout_s > 0, "timing_lock.timeout_s", f"{self.timeout_s} must be > 0 (seconds to wait for the lock)")
 
 
+# The folder when timing_lock.dir is empty, before /tmp. Read when the lock is taken, so it changes no stage's
+# command: the test suite gives each pytest-xdist worker its own (tests/conftest.py; test timings are not compared,
+# and a machine-wide lock would idle one worker while another's pipeline times).
+LOCK_DIR_ENV = "DRAFTFORGE_TIMING_LOCK_DIR"
+
+
 def lock_path(cfg: Any) -> Path:
-    folder = str(cfg.dir) or ("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir())
+    folder = str(cfg.dir) or os.environ.get(LOCK_DIR_ENV) or ("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir())
     return Path(folder) / LOCK_NAME
 
 

@@ -74,3 +74,13 @@ def test_the_wait_ends_naming_the_holder_and_a_killed_holder_frees_the_lock(tmp_
 def test_timeout_must_be_positive():
     with pytest.raises(ConfigError, match="timing_lock.timeout_s"):
         TimingLockConfig(timeout_s=0)
+
+
+def test_the_lock_folder_is_the_config_s_then_the_environment_s_then_tmp(tmp_path, monkeypatch):
+    from draftforge.timing_lock import LOCK_DIR_ENV, lock_path
+
+    monkeypatch.delenv(LOCK_DIR_ENV, raising=False)
+    assert lock_path(TimingLockConfig()) == Path("/tmp") / LOCK_NAME
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "env"))
+    assert lock_path(TimingLockConfig()) == tmp_path / "env" / LOCK_NAME
+    assert lock_path(TimingLockConfig(dir=str(tmp_path / "cfg"))) == tmp_path / "cfg" / LOCK_NAME
