@@ -46,18 +46,27 @@ def tiny_hybrid_target(arch: str = "Qwen3_5ForCausalLM", vocab: int = 96, seed: 
 
 
 def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3,
-                 layers: int = 1, window: int = 0) -> DFlashDrafter:
+                 layers: int = 1, window: int = 0, draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
     """A random drafter of the target's width; larger init than training's so drafts are not uniform.
-    window > 0: every layer but the last is a sliding-window layer (the published Qwen3.6 layout)."""
+    window > 0: every layer but the last is a sliding-window layer (the published Qwen3.6 layout).
+    draft_ids (D,) ascending: a draft vocabulary of those tokens (the target's rows of its LM head)."""
     cfg = DFlashConfig(
         hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=tm.num_heads,
         num_key_value_heads=tm.num_kv_heads, head_dim=tm.head_dim, vocab_size=tm.vocab_size, mask_token_id=mask_id,
         target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers), sliding_window=window,
+        draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
     )
     torch.manual_seed(seed)
     d = DFlashDrafter(cfg)
     d.reset_parameters(std=std)
+    if draft_ids is not None:
+        d.set_draft_vocab(draft_ids, tm.lm_head.weight.detach())
     return d.eval()
+
+
+def some_ids(vocab: int, size: int, seed: int = 0) -> torch.Tensor:
+    """(size,) ascending distinct random token ids (a draft vocabulary)."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].sort().values
 
 
 def prompt(vocab: int, n: int = 7, seed: int = 0) -> list[int]:
@@ -113,6 +122,8 @@ def drafter_kinds() -> dict:
     return {
         "dflash": (lambda tm: tiny_drafter(tm, seed=3), ("dflash", "ddtree")),
         "dflash_sliding": (lambda tm: tiny_drafter(tm, seed=3, layers=2, window=4), ("dflash", "ddtree")),
+        "dflash_draft_vocab": (lambda tm: tiny_drafter(tm, seed=3, draft_ids=some_ids(tm.vocab_size, tm.vocab_size * 2 // 3)),
+                               ("dflash", "ddtree")),
         "dspark": (lambda tm: tiny_dspark_drafter(tm, seed=3), ("dflash", "ddtree", "dspark", "ddtree_markov")),
         "dspark_bonus_anchor": (lambda tm: tiny_dspark_drafter(tm, seed=3, bonus_anchor=True),
                                 ("dflash", "ddtree", "dspark", "ddtree_markov")),

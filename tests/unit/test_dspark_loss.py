@@ -161,7 +161,7 @@ def _loop_objective(first_slot: int, pred_offset: int, weights: dict, acceptance
     item = (torch.tensor(_IDS), torch.ones(T, dtype=torch.uint8), torch.zeros(T, 2), last)
     batch = collate([item], [torch.tensor(_ANCHORS)], _B, mask_token_id=0, feat_dtype=torch.float64,
                     first_slot=first_slot, pred_offset=pred_offset)
-    model = SimpleNamespace(cfg=SimpleNamespace(first_slot=first_slot, pred_offset=pred_offset))  # a plain (non-DSpark) drafter
+    model = SimpleNamespace(cfg=SimpleNamespace(first_slot=first_slot, pred_offset=pred_offset, draft_vocab_size=0))  # a plain (non-DSpark) drafter
     head = SimpleNamespace(lm_head=lm_head)
     obj = Objective(dict(weights), chunk=1000, acceptance_weighting=acceptance_weighting)
     return dist_block_losses(model, h, head, batch, slot_weights(_B, _GAMMA, first_slot).double(), obj)

@@ -56,6 +56,9 @@ class DFlashConfig:
     # Per layer: full_attention | sliding_attention; empty → all full, or with a window the published
     # Qwen3.6-27B layout (sliding for every layer but the last).
     layer_types: list[str] = field(default_factory=list)
+    # > 0: the drafter drafts from these many target tokens (its `draft_ids` buffer, chosen by train), 0: from
+    # the whole vocabulary (docs/architecture.md, "Draft vocabulary").
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(t) for t in self.target_layer_ids]
@@ -77,6 +80,9 @@ class DFlashConfig:
             problems.append(f"num_attention_heads {self.num_attention_heads} not a multiple of num_key_value_heads {self.num_key_value_heads}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary ({self.vocab_size})")
+        if not 0 <= self.draft_vocab_size < self.vocab_size:
+            problems.append(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size {self.vocab_size}) "
+                            "(0: the whole vocabulary)")
         if self.block_size < 2:
             problems.append(f"block_size {self.block_size} < 2")
         if self.target_num_layers and any(not 0 <= t < self.target_num_layers for t in self.target_layer_ids):
@@ -120,7 +126,8 @@ class DFlashConfig:
     def shape_fields(cls, shape: Any) -> dict[str, Any]:
         """This config's fields taken from the `drafter` section (drafter.settings.DrafterConfig)."""
         return {"num_hidden_layers": int(shape.num_layers), "block_size": int(shape.block_size),
-                "sliding_window": int(shape.sliding_window or 0)}
+                "sliding_window": int(shape.sliding_window or 0),
+                "draft_vocab_size": int(shape.draft_vocab_size)}
 
     @classmethod
     def from_target(cls, target_info: dict[str, Any], shape: Any, **overrides: Any) -> "DFlashConfig":
@@ -176,6 +183,8 @@ class DFlashConfig:
             "target_hidden_size": self.target_hidden_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "torch_dtype": "bfloat16",
+            # vLLM: a draft LM head of this many rows, its row i drafting target token i + d2t[i]
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
         }
 
     @classmethod
@@ -203,17 +212,27 @@ class DFlashConfig:
                 target_hidden_size=int(hf.get("target_hidden_size", 0)),
                 sliding_window=int(hf.get("sliding_window") or 0),
                 layer_types=list(hf.get("layer_types") or []),
+                draft_vocab_size=_draft_vocab(hf),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StageError(f"{where}: missing or bad key ({exc!r})") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not d["draft_vocab_size"]:  # a field added at its default: records made before it (resume keys) stay equal
+            del d["draft_vocab_size"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _draft_vocab(hf: dict[str, Any]) -> int:
+    """config.json's `draft_vocab_size` as DFlashConfig holds it: 0 when absent or the whole vocabulary."""
+    d = hf.get("draft_vocab_size")
+    return 0 if d is None or int(d) == int(hf["vocab_size"]) else int(d)
 
 
 # The export records a checksum of its config.json inside the file itself (vLLM and HF ignore the unknown

@@ -8,7 +8,11 @@ taps from `dflash_config.target_layer_ids` (+1 internally). So the checkpoint ho
     self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight
 No `model.` prefix, no embeddings / LM head, no eagle_config. A DSpark drafter adds
     markov_head.markov_w{1,2}.weight (V, r) and confidence_head.proj.{weight (1, H[+r]), bias (1,)}
-which vLLM's Qwen3DSparkForCausalLM.load_weights prefixes with `model.` the same way.
+which vLLM's Qwen3DSparkForCausalLM.load_weights prefixes with `model.` the same way. A drafter with a draft
+vocabulary of D tokens (docs/architecture.md, "Draft vocabulary") adds what vLLM loads for one, unprefixed:
+    lm_head.weight (D, H)   the draft head (the model's `draft_head` buffer: the target's rows of those tokens)
+    d2t (D,) int64          offsets: draft row i drafts target token i + d2t[i] (the model keeps the ids, `draft_ids`)
+and config.json's `draft_vocab_size` = D.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ LAYER_KEYS = (
     "mlp.down_proj.weight",
 )
 TOP_KEYS = ("fc.weight", "hidden_norm.weight", "norm.weight")
-# Names vLLM's loader would treat as something other than draft-layer weights (or reject).
+# Names vLLM's loader would treat as something other than draft-layer weights (or reject); a draft vocabulary's
+# two names (DRAFT_VOCAB_NAMES) are the exception its loader expects.
 FORBIDDEN_SUBSTRINGS = ("embed_tokens", "lm_head", "model.", "mask_hidden", "d2t", "t2d", "midlayer")
+# A draft vocabulary's buffers (drafter/model.py) → their exported names.
+DRAFT_VOCAB_NAMES = {"draft_head": "lm_head.weight", "draft_ids": "d2t"}
 
 
 def expected_keys(cfg: DFlashConfig) -> set[str]:
@@ -72,7 +79,30 @@ def expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"fc.weight": (H, cfg.feature_dim), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     shapes.update({f"layers.{i}.{k}": s for i in range(cfg.num_hidden_layers) for k, s in per_layer.items()})
     shapes.update(cfg.head_shapes())  # a DSpark drafter's heads
+    if cfg.draft_vocab_size:
+        shapes.update({"lm_head.weight": (cfg.draft_vocab_size, H), "d2t": (cfg.draft_vocab_size,)})
     return shapes
+
+
+def exported_tensors(model: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's state under vLLM's names, weights in `dtype`; a draft vocabulary's ids as vLLM's offsets."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "draft_ids":
+            out["d2t"] = (t - torch.arange(t.shape[0], device=t.device)).to("cpu", torch.int64).contiguous()
+        else:
+            out[DRAFT_VOCAB_NAMES.get(name, name)] = t.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """exported_tensors' inverse: vLLM's names → the model's state dict."""
+    own = {v: k for k, v in DRAFT_VOCAB_NAMES.items()}
+    out = {own.get(name, name): t for name, t in tensors.items()}
+    if "draft_ids" in out:
+        d2t = out["draft_ids"]
+        out["draft_ids"] = d2t.to(torch.int64) + torch.arange(d2t.shape[0])
+    return out
 
 
 def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str = "drafter") -> None:
@@ -80,7 +110,8 @@ def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str =
     want = expected_shapes(cfg)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(set(tensors) - set(want))
-    bad = [n for n in tensors if any(s in n for s in FORBIDDEN_SUBSTRINGS)]
+    allowed = set(DRAFT_VOCAB_NAMES.values()) if cfg.draft_vocab_size else set()
+    bad = [n for n in tensors if n not in allowed and any(s in n for s in FORBIDDEN_SUBSTRINGS)]
     wrong = [f"{n} {tuple(t.shape)} != {want[n]}" for n, t in tensors.items() if n in want and tuple(t.shape) != want[n]]
     problems = []
     if missing:
@@ -100,7 +131,7 @@ def check_keys(tensors: dict[str, torch.Tensor], cfg: DFlashConfig, where: str =
 def export_drafter(model: DFlashDrafter, cfg: DFlashConfig, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
     """Write out_dir/{config.json, model.safetensors} atomically (the whole folder appears at once); config.json
     records its own checksum (drafter.config.config_checksum), which every reader of the export verifies."""
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()}
+    tensors = exported_tensors(model, dtype)
     cfg = cfg.as_exported(str(out_dir))  # a rank-0 DSpark drafter exports as DFlash
     check_keys(tensors, cfg, where=str(out_dir))
     hf = cfg.to_hf_dict()
@@ -147,5 +178,5 @@ def load_drafter(directory: str | Path, dtype: torch.dtype = torch.float32, devi
     tensors = load_weights(weights)
     check_keys(tensors, cfg, where=str(weights))
     model = model_class(cfg.ARCHITECTURE)(cfg, attn_impl=attn_impl)  # the model of the type owning this format
-    model.load_state_dict(tensors, strict=True)
+    model.load_state_dict(model_state(tensors), strict=True)
     return model.to(device=device, dtype=dtype).eval()

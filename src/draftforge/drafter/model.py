@@ -5,7 +5,8 @@ Per layer l (pre-norm, RMSNorm, SwiGLU, per-head RMSNorm on q and k before RoPE)
     K, V     = [k_norm(Wk C) | k_norm(Wk x)], [Wv C | Wv x]   with x = input_layernorm(h_block)
     Q        = q_norm(Wq x)                              queries from the block only
 RoPE is absolute: context token p at p, block slot k at anchor + k.  The target's embeddings and
-LM head are not part of this module (frozen, owned by the target).
+LM head are not part of this module (frozen, owned by the target); a drafter with a draft vocabulary
+(cfg.draft_vocab_size = D) holds the ids of its D tokens and their D rows of that head as buffers.
 """
 
 from __future__ import annotations
@@ -105,7 +106,16 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.draft_vocab_size:  # docs/architecture.md, "Draft vocabulary": state, not trained
+            D = cfg.draft_vocab_size
+            self.register_buffer("draft_ids", torch.zeros(D, dtype=torch.long))  # (D,) target id of each row, ascending
+            self.register_buffer("draft_head", torch.zeros(D, cfg.hidden_size))  # (D, H) the target's LM-head rows
         self.reset_parameters()
+
+    def set_draft_vocab(self, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """ids (D,) ascending target ids, target_lm_head (V, H) → the draft head = those rows (frozen)."""
+        self.draft_ids.copy_(ids)
+        self.draft_head.copy_(target_lm_head[ids.to(target_lm_head.device)])
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():

@@ -73,6 +73,8 @@ class DrafterType:
     # read after all would be a stale result, so list only what the type's code provably ignores. The tree
     # keys (TREE_KEYS) are left out for a type without tree methods.
     ignores: tuple[str, ...] = ()
+    # Whether its drafters may draft from a subset of the vocabulary (drafter.draft_vocab_size > 0).
+    draft_vocab: bool = False
     module: str = ""  # the module that registered it (set by register_drafter_type)
 
     def __post_init__(self) -> None:

@@ -54,6 +54,13 @@ class DrafterConfig:
     # of the analytic acceptances 1 − tv of the block's earlier draft positions (detached; needs the target's
     # distribution, so extract stores its last layer). Positions the drafter already loses count less.
     acceptance_weighting: bool = False
+    # Draft from the D most frequent answer tokens of the train split instead of the target's whole vocabulary
+    # (0: the whole vocabulary). The drafter's LM head is then the target's D rows (frozen, as the whole head is):
+    # training and each block pass multiply by a D-row head instead of a V-row one; a token outside the D is
+    # never drafted (its positions are learnt by no head row, and the verifier rejects nothing for it: decoding
+    # stays lossless). Exported as vLLM's `draft_vocab_size` + `d2t` + `lm_head` (docs/architecture.md,
+    # "Draft vocabulary"). Types whose `DrafterType.draft_vocab` is False refuse it.
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, "drafter.name", f"{self.name!r} must be a plain file name")
@@ -64,6 +71,9 @@ class DrafterConfig:
         check(self.block_size >= 2, "drafter.block_size", f"{self.block_size} must be >= 2")
         check(self.sliding_window >= 0, "drafter.sliding_window", f"{self.sliding_window} must be >= 0")
         check(self.markov_rank >= 0, "drafter.markov_rank", f"{self.markov_rank} must be >= 0")
+        check(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", f"{self.draft_vocab_size} must be >= 0 (0: the whole vocabulary)")
+        check(not self.draft_vocab_size or type_of(self).draft_vocab, "drafter.draft_vocab_size",
+              f"{self.draft_vocab_size}: a {self.type} drafter drafts from the whole vocabulary (set 0)")
         for term in ("ce", "kl", "tv"):
             w = getattr(self, f"loss_{term}")
             check(w is None or w >= 0, f"drafter.loss_{term}", f"{w} must be >= 0")

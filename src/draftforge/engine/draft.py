@@ -11,6 +11,10 @@ and window. Two ways to run the same pass:
   rows land on block rows, which the block then overwrites), ids and positions staged in a device buffer,
   kv_len = the fixed capacity, the LM head inside the step; on CUDA the step is one replayed graph. A round
   with more than B new rows (the prompt) runs the eager form on the same fixed cache once.
+
+The logits of a drafter with a draft vocabulary (docs/architecture.md, "Draft vocabulary") are its D-row head's,
+placed at those tokens' ids of the target's vocabulary with −inf everywhere else: the methods downstream (chain,
+tree, sampling at T > 0) read a distribution over the target's vocabulary either way.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from draftforge.drafter.inference import DraftKV
+from draftforge.drafter.vocab import to_target_logits
 from draftforge.engine.capture import align, capture_graph
 from draftforge.engine.cpu_linear import pack_linears
 from draftforge.engine.state import CapacityError
@@ -49,6 +55,7 @@ class DrafterContext:
         self.drafter, self.tm, self.static = drafter, tm, static
         self.block, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.first_slot, self.n_draft = cfg.first_slot, cfg.n_draft  # asked of the drafter, never derived here
+        self.draft_ids = drafter.draft_ids if cfg.draft_vocab_size else None  # (D,) or None: the whole vocabulary
         self.pending: torch.Tensor | None = None  # (1, n_new, n_taps·H) positions length..start−1
         self.length = 0  # context positions in the cache
         dev, self.dt = tm.device, drafter.fc.weight.dtype
@@ -65,7 +72,9 @@ class DrafterContext:
         self.feats = torch.zeros(1, B, drafter.fc.in_features, device=dev, dtype=self.dt)
         self.meta = torch.zeros(3, B, dtype=torch.long, device=dev)  # ids, context positions, block positions
         self.hmeta = torch.zeros(3, B, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self.logits = torch.zeros(self.n_draft, tm.vocab_size, device=dev, dtype=tm.dtype)
+        # the columns a draft vocabulary never writes hold −inf for good
+        self.logits = torch.full((self.n_draft, tm.vocab_size), float("-inf") if self.draft_ids is not None else 0.0,
+                                 device=dev, dtype=tm.dtype)  # fmt: skip
         self.graph = None
 
     def reset(self) -> None:
@@ -94,12 +103,24 @@ class DrafterContext:
                                   torch.arange(start - n_new, start, device=dev), self.cache.kv, start + B,
                                   self.blocks, self.fused)
 
+    def _logits(self, hs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hs (n, H) the predicting slots' states → (n, V) logits over the target's vocabulary (into `out` when
+        given: a draft vocabulary writes only its columns, the others hold −inf)."""
+        if self.draft_ids is None:
+            logits = self.tm.lm_head(hs.to(self.tm.dtype))
+            return logits if out is None else out.copy_(logits)
+        head = self.drafter.draft_head
+        rows = F.linear(hs.to(head.dtype), head).to(self.tm.dtype)  # (n, D)
+        if out is None:
+            return to_target_logits(rows, self.draft_ids, self.tm.vocab_size)
+        return out.index_copy_(1, self.draft_ids, rows)
+
     def _static_step(self) -> None:
         """The padded block pass over the staged buffers (captured on CUDA) → self.logits."""
         ids, cpos, bpos = self.meta[0:1], self.meta[1], self.meta[2]
         h = self.drafter.draft(self._embed(ids), bpos, self.feats, cpos, self.cache.kv, self.cache.capacity,
                                self.blocks, self.fused)
-        self.logits.copy_(self.tm.lm_head(h[0, self.first_slot :].to(self.tm.dtype)))
+        self._logits(h[0, self.first_slot :], out=self.logits)
 
     def capture(self, pool: Any) -> None:
         self.hmeta[1] = torch.arange(self.block)
@@ -118,7 +139,7 @@ class DrafterContext:
             raise CapacityError(f"captured engine: drafter block at {start} exceeds its capacity {self.cache.capacity}")
         if self.static is None or n_new > B:
             h = self._eager(bonus, start, n_new)
-            out = self.tm.lm_head(h[0, self.first_slot :].to(self.tm.dtype))
+            out = self._logits(h[0, self.first_slot :])
         else:
             if n_new:
                 self.feats[:, :n_new].copy_(self.pending)

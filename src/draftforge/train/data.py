@@ -25,6 +25,15 @@ class FeatureSource(Protocol):
 
     def __getitem__(self, i: int) -> SeqTuple: ...
 
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        """(V,) int64: how often each token is a supervised label in the source (reads no features)."""
+        ...
+
+
+def count_labels(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids (T,), mask (T,) → (V,) int64 counts of the supervised tokens."""
+    return torch.bincount(ids[mask.bool()].to(torch.int64), minlength=vocab_size)[:vocab_size]
+
 
 class InMemorySource:
     """A list of per-sequence tuples (tests, small val sets)."""
@@ -37,6 +46,10 @@ class InMemorySource:
 
     def __getitem__(self, i: int) -> SeqTuple:
         return self.items[i]
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        return sum((count_labels(it[0], it[1], vocab_size) for it in self.items),
+                   torch.zeros(vocab_size, dtype=torch.int64))  # fmt: skip
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from draftforge.errors import StageError
 from draftforge.extract.reader import FeatureReader
 from draftforge.extract.shard_format import decode_hidden
+from draftforge.train.data import count_labels
 
 SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -59,6 +60,13 @@ class ShardedSource:
                 raise StageError(f"{path}: offsets disagree with {self.reader.index_path.name}")
             self._open[j] = (fh, offsets, ids, mask, has_scale)
         return self._open[j]
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for j in range(len(self.entries)):
+            _, _, ids, mask, _ = self._shard(j)
+            counts += count_labels(ids, mask, vocab_size)
+        return counts
 
     def __getitem__(self, i: int) -> SeqTuple:
         if not 0 <= i < self._n:

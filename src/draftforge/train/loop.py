@@ -21,9 +21,10 @@ from draftforge.drafter.config import DFlashConfig
 from draftforge.drafter.dspark import DSparkDrafter, is_dspark
 from draftforge.drafter.model import DFlashDrafter
 from draftforge.drafter.registry import exported_type, model_class
+from draftforge.drafter.vocab import choose_draft_vocab, coverage, target_to_draft
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import Batch, FeatureSource, collate, draw_anchors, truncate
-from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic
+from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic, target_lse
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
 from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, lr_lambda, run
@@ -51,6 +52,9 @@ class TrainInputs:
     # Objective term weights (drafter.settings.effective_loss_weights); None → the drafter type's default.
     loss_weights: dict[str, float] | None = None
     acceptance_weighting: bool = False  # drafter.acceptance_weighting (see make_objective)
+    # (D,) the draft vocabulary (`draft_vocab_for`) when dcfg.draft_vocab_size = D > 0; a resumed run's
+    # checkpoint carries the same ids (they depend only on the train split).
+    draft_ids: torch.Tensor | None = None
     stop: Any = None  # a train.stop.StopRequest: asked once per step whether to stop after it (None: never)
 
 
@@ -136,7 +140,8 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
     S, N, B = batch.valid.shape
     flat = batch.valid.reshape(-1)
     hv = h.reshape(S * N * B, -1)[flat]
-    y = batch.targets.reshape(-1)[flat]
+    rows, targets = drafted_rows(model, head, batch.targets)
+    y = targets.reshape(-1)[flat]  # (M,) row of `rows`, -1 outside a draft vocabulary
     prev = batch.prev_ids.reshape(-1)[flat]
     w_row = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat]
     ht = t_index = None
@@ -147,6 +152,7 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
         distinct, t_index = torch.unique(seq.reshape(-1)[flat] * T + pos.reshape(-1)[flat], return_inverse=True)  # (U,), (M,)
         ht = batch.last[distinct // T, distinct % T].to(hv.dtype)  # (U, H)
+    lse_full = target_lse(ht, head.lm_head) if ht is not None and rows is not head.lm_head else None  # (U,)
     raw = model
     e = w2 = conf_logit = None
     if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
@@ -159,13 +165,23 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         idx = flat.nonzero().squeeze(-1)
         first = convention(raw.cfg)[0]
         reach = (idx // B, idx % B - first, S * N, B - first)
-    out = objective(hv, head.lm_head, y, w_row, obj.weights, ht=ht, e=e, w2=w2, conf_logit=conf_logit,
-                    conf_weight=obj.conf_weight, chunk=obj.chunk, reach=reach, t_index=t_index)
+    out = objective(hv, rows, y, w_row, obj.weights, ht=ht, e=e, w2=w2, conf_logit=conf_logit,
+                    conf_weight=obj.conf_weight, chunk=obj.chunk, reach=reach, t_index=t_index, lse_full=lse_full)
     correct = torch.zeros(S * N * B, dtype=torch.bool, device=h.device)
     correct[flat] = out.hits
     res = BlockOutputs(out.weighted_sum, out.weight_sum, correct.view(S, N, B), batch.valid)
     res.extra = out  # type: ignore[attr-defined]  (analytic val metrics)
     return res
+
+
+def drafted_rows(model: torch.nn.Module, head: FrozenTargetHead, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head the drafter drafts with and each target token's row of it: the target's whole head (rows =
+    token ids), or a draft vocabulary's D rows (row of each token, -1 outside; docs/architecture.md, "Draft
+    vocabulary")."""
+    if not model.cfg.draft_vocab_size:
+        return head.lm_head, targets
+    t2d = target_to_draft(model.draft_ids, head.lm_head.shape[0])
+    return model.draft_head.to(head.lm_head.dtype), t2d[targets]
 
 
 def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor, attn_impl: str | None,
@@ -174,7 +190,8 @@ def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, 
     h = model(batch.tapped, block_embeds, batch.anchors, attn_impl)
     if obj is not None:
         return dist_block_losses(model, h, head, batch, weights, obj)
-    return block_losses(h, head.lm_head, batch.targets, batch.valid, weights)
+    rows, targets = drafted_rows(model, head, batch.targets)
+    return block_losses(h, rows, targets, batch.valid, weights)
 
 
 def val_indices(n_total: int, n_max: int) -> list[int]:
@@ -231,9 +248,24 @@ def evaluate(model: DFlashDrafter, inp: TrainInputs, dtype: torch.dtype) -> dict
     return metrics
 
 
+def draft_vocab_for(source: FeatureSource, dcfg: DFlashConfig) -> tuple[torch.Tensor | None, float]:
+    """The draft vocabulary of a drafter config (None without one) and the share of the source's supervised
+    tokens it covers: the D most frequent of them (drafter/vocab.py)."""
+    if not dcfg.draft_vocab_size:
+        return None, 1.0
+    counts = source.label_counts(dcfg.vocab_size)
+    ids = choose_draft_vocab(counts, dcfg.draft_vocab_size)
+    return ids, coverage(counts, ids)
+
+
 def build_model(inp: TrainInputs) -> DFlashDrafter:
     torch.manual_seed(inp.cfg.seed)
     model = model_class(inp.dcfg.ARCHITECTURE)(inp.dcfg, attn_impl=inp.cfg.attn_impl)
+    if inp.dcfg.draft_vocab_size:
+        if inp.draft_ids is None or inp.draft_ids.shape != (inp.dcfg.draft_vocab_size,):
+            raise ValueError(f"drafter.draft_vocab_size={inp.dcfg.draft_vocab_size}: TrainInputs.draft_ids must hold "
+                             "that many ids (draft_vocab_for)")
+        model.set_draft_vocab(inp.draft_ids, inp.head.lm_head.cpu())
     if inp.cfg.init_from:
         init_from_drafter(model, inp.cfg.init_from)
         log.info("warm start: backbone from the drafter in %s", inp.cfg.init_from)
@@ -251,7 +283,7 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
     The source's shape (layers, width, taps, block size) must match; its block convention may differ
     (a DFlash drafter warm-starts a DSpark one)."""
     from draftforge.drafter.config import read_exported_config
-    from draftforge.drafter.export import load_weights
+    from draftforge.drafter.export import DRAFT_VOCAB_NAMES, load_weights
     from draftforge.errors import StageError
 
     src_cfg = read_exported_config(directory)
@@ -262,8 +294,9 @@ def init_from_drafter(model: DFlashDrafter, directory: str) -> None:
         raise StageError(f"train.init_from={directory}: drafter shape differs in {diff}")
     tensors = load_weights(Path(directory) / "model.safetensors")
     own = model.state_dict()
-    backbone = {k: v.to(own[k].dtype) for k, v in tensors.items() if k in own and not k.startswith(("markov_head.", "confidence_head."))}
-    missing = [k for k in own if not k.startswith(("markov_head.", "confidence_head.")) and k not in backbone]
+    fresh = ("markov_head.", "confidence_head.", *DRAFT_VOCAB_NAMES)  # heads and this run's draft vocabulary
+    backbone = {k: v.to(own[k].dtype) for k, v in tensors.items() if k in own and not k.startswith(fresh)}
+    missing = [k for k in own if not k.startswith(fresh) and k not in backbone]
     if missing:
         raise StageError(f"train.init_from={directory}: missing {missing[:4]}")
     model.load_state_dict(backbone, strict=False)

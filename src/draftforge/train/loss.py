@@ -53,9 +53,10 @@ class BlockOutputs:
 
 
 def _ce_chunk(h: torch.Tensor, lm_head: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h (m, H), target (m,) → CE (m,) fp32 and top-1 hits (m,). Matmul in the autocast dtype, softmax fp32."""
+    """h (m, H), target (m,) row of lm_head or -1 (none: CE 0) → CE (m,) fp32 and top-1 hits (m,). Matmul in the
+    autocast dtype, softmax fp32."""
     logits = (h @ lm_head.t()).float()  # (m, V)
-    return F.cross_entropy(logits, target, reduction="none"), logits.detach().argmax(-1) == target
+    return F.cross_entropy(logits, target, reduction="none", ignore_index=-1), logits.detach().argmax(-1) == target
 
 
 _CE = {"fn": _ce_chunk}
@@ -68,8 +69,8 @@ def compile_loss() -> None:
 
 def block_losses(
     h: torch.Tensor,  # (S, N*B, H) drafter output after the final norm
-    lm_head: torch.Tensor,  # (V, H) frozen target LM head
-    targets: torch.Tensor,  # (S, N, B)
+    lm_head: torch.Tensor,  # (V, H) frozen target LM head (a draft vocabulary: its D rows)
+    targets: torch.Tensor,  # (S, N, B) row of lm_head; -1: a token the head cannot draft (no CE, never a hit)
     valid: torch.Tensor,  # (S, N, B) bool
     weights: torch.Tensor,  # (B,)
     chunk: int = 8192,
@@ -79,6 +80,7 @@ def block_losses(
     hv = h.reshape(S * N * B, -1)[flat_valid]  # (M, H): only valid slots meet the LM head
     tv = targets.reshape(-1)[flat_valid]  # (M,)
     wv = weights.to(h.device)[None, None, :].expand(S, N, B).reshape(-1)[flat_valid]  # (M,)
+    wv = wv * (tv >= 0)  # a token outside a draft vocabulary is learnt by no row: out of the mean
     ce_parts, hit_parts = [], []
     for lo in range(0, hv.shape[0], chunk):
         ce, hits = _CE["fn"](hv[lo : lo + chunk], lm_head, tv[lo : lo + chunk])

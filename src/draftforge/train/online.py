@@ -25,6 +25,7 @@ import torch
 from draftforge.errors import StageError
 from draftforge.extract.capture import TapCapture
 from draftforge.extract.plan import ExtractPlan, InputReader, ShardRows, plan_extraction
+from draftforge.train.data import count_labels
 
 SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -70,6 +71,12 @@ class OnlineSource:
         rows, s = self._rows[j], i - self._starts[j]
         a, b = int(rows.offsets[s]), int(rows.offsets[s + 1])
         return rows.input_ids[a:b], rows.loss_mask[a:b]
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for r in self._rows:
+            counts += count_labels(torch.from_numpy(r.input_ids.astype(np.int64)), torch.from_numpy(r.loss_mask), vocab_size)
+        return counts
 
     def __getitem__(self, i: int) -> SeqTuple:
         if not 0 <= i < self._n:

@@ -43,6 +43,7 @@ from draftforge.train.loop import (
     BlockTask,
     TrainInputs,
     compute_dtype,
+    draft_vocab_for,
     global_batch,
     loop_spec,
     make_objective,
@@ -165,6 +166,10 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
     if val_src is None:
         log.warning("no val split: the export is the last checkpoint, no simulated acceptance")
     head = FrozenTargetHead.from_target(info["hf_path"], dtype=dtype, device=device)
+    draft_ids, vocab_coverage = draft_vocab_for(train_src, dcfg)
+    if draft_ids is not None:
+        log.info("draft vocabulary: the %d most frequent answer tokens of the train split cover %.2f%% of them",
+                 dcfg.draft_vocab_size, 100 * vocab_coverage)
     resume_key = sha256_json({"train": {k: v for k, v in ctx.params["train"].items() if k not in _NOT_IN_RESUME_KEY},
                               "drafter": dcfg.to_dict(), "loss_weights": loss_weights,
                               **({"acceptance_weighting": True} if shape.acceptance_weighting else {}),
@@ -173,11 +178,13 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
     inputs = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_src, val_source=val_src, head=head,
                          ckpt_dir=ctx.work_dir / "checkpoints", resume_key=resume_key, device=device,
                          rank=ctx.rank, world=ctx.world_size, target_hf_path=info["hf_path"],
-                         loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting))
+                         loss_weights=loss_weights, acceptance_weighting=bool(shape.acceptance_weighting),
+                         draft_ids=draft_ids)
     run_params = {**ctx.params, "drafter": dcfg.to_dict(), "world_size": ctx.world_size, "device": str(device),
                   "global_batch": global_batch(cfg, ctx.world_size), "compute_dtype_used": str(dtype).removeprefix("torch."),
                   "loss_gamma_used": resolve_gamma(cfg.loss_gamma, dcfg.block_size),
-                  "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0}
+                  "n_train_seqs": len(train_src), "features": cfg.features, "n_val_seqs": len(val_src) if val_src else 0,
+                  **({"draft_vocab_coverage": vocab_coverage} if draft_ids is not None else {})}
     _, total = total_steps(cfg, len(train_src), ctx.world_size)
 
     def finish(result: LoopResult | None, run_log: Any) -> dict[str, Any]:

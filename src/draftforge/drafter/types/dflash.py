@@ -22,7 +22,7 @@ def dflash() -> DrafterType:
         default_loss_weights={"ce": 1.0}, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.config:DFlashConfig"},
         models={ARCHITECTURE: "draftforge.drafter.model:DFlashDrafter"},
-        model_config="draftforge.drafter.config:DFlashConfig", ignores=MTP_KEYS + HEAD_KEYS,
+        model_config="draftforge.drafter.config:DFlashConfig", ignores=MTP_KEYS + HEAD_KEYS, draft_vocab=True,
     )  # fmt: skip
 
 
