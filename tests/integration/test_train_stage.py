@@ -232,3 +232,26 @@ def test_sigterm_stops_after_a_checkpointed_step_and_a_rerun_resumes(tiny_target
     again = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert again.returncode == 0 and f"(step {step})" in again.stderr, again.stderr[-3000:]  # resumed there
     assert json.loads((tmp_path / "smoke" / "train" / "dflash" / "metrics.json").read_text())["steps"] == 1000
+
+
+def test_stage_trains_a_drafter_with_a_draft_vocabulary(tiny_target_info, items, tmp_path):
+    """drafter.draft_vocab_size on the acceptance-weighted objective: the export carries the D most frequent train
+    labels (vLLM's d2t + lm_head), the run records their coverage, and the drafter loads for the engine."""
+    _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items))
+    proc = _run([PY, "-m", "draftforge.train", "drafter=dflash_aw", "drafter.draft_vocab_size=64"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "smoke" / "train" / "dflash_aw"
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert "val_analytic_tau" in metrics["best"]
+    from collections import Counter
+
+    from draftforge.drafter.export import load_drafter
+
+    labels = Counter(t for ids, mask, *_ in items[:6] for t, m in zip(ids.tolist(), mask.tolist()) if m)
+    drafter = load_drafter(out / "drafter")
+    assert set(drafter.draft_ids.tolist()) >= {t for t, _ in labels.most_common(8)}  # the frequent ones, whatever ties
+    assert "draft vocabulary: the 64 most frequent answer tokens" in proc.stderr
+    bad = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.draft_vocab_size=64"], tmp_path)
+    assert bad.returncode == 2 and "drafter.draft_vocab_size" in bad.stderr.strip().splitlines()[-1]
