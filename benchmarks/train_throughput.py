@@ -10,7 +10,7 @@ FLOPs per step (useful work; a matmul of m x k by k x n = 2mkn):
     per layer: block q,k,v,o: 2*Q*H*(2*Dq + 2*Dkv); context k,v: 2*T*H*2*Dkv; MLP: 2*Q*3*H*I
   attention (fwd + 2x bwd = 3x fwd): 4*Dq*sum over queries of visible keys (context < anchor + block)
   fc (fwd + wgrad only; features need no grad = 2x): 2*T*F*H
-  frozen LM head on valid slots only (fwd + dgrad = 2x): 2*M*H*V
+  frozen LM head on valid slots only (fwd + dgrad = 2x): 2*M*H*V (a draft vocabulary: its D rows instead of V)
   with Q = N*B block tokens, M = valid slots, T context tokens, Dq = heads*hd, Dkv = kv_heads*hd.
 MFU = FLOPs / step time / peak (989 TFLOP/s bf16 dense, H100/H200 SXM), also vs a measured bf16
 matmul ceiling on this device.
@@ -18,12 +18,16 @@ matmul ceiling on this device.
     python benchmarks/train_throughput.py            # CUDA
     python benchmarks/train_throughput.py --tiny     # CPU smoke (seconds)
     python benchmarks/train_throughput.py --shape smollm2 --layers 3 --anchors 32 --seq-len 160 --cpu  # default world
+    python benchmarks/train_throughput.py --shape smollm2 ... --draft-vocab 0,8192 --rounds 3  # side by side
+With several --draft-vocab sizes each is one drafter + optimizer in the same process, timed in turn over
+--rounds rounds (A B A B ...), so host drift hits every size alike; each size reports its fastest round.
 Writes $OUT/train_throughput.json when $OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -62,10 +66,11 @@ def shape(args) -> DFlashConfig:
 
 
 def make_batch(cfg: DFlashConfig, T: int, n_anchors: int, n_seqs: int, seed: int, with_last: bool = False):
+    """Random tokens (of a draft vocabulary of ids 0..D-1 when the config has one), features and anchors."""
     g = torch.Generator().manual_seed(seed)
     seqs, anchors = [], []
     for _ in range(n_seqs):
-        ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+        ids = torch.randint(0, cfg.draft_vocab_size or cfg.vocab_size, (T,), generator=g)
         mask = torch.ones(T, dtype=torch.uint8)
         mask[: T // 8] = 0  # a prompt
         hidden = torch.randn(T, cfg.feature_dim, generator=g)
@@ -87,6 +92,7 @@ def step_flops(cfg: DFlashConfig, batch) -> dict[str, float]:
     L = cfg.num_hidden_layers
     layers = L * (2 * Q * H * (2 * Dq + 2 * Dkv) + 2 * T * H * 2 * Dkv + 2 * Q * 3 * H * I)
     attn = L * 4 * Dq * visible
+    V = cfg.draft_vocab_size or V  # the rows the drafter's head multiplies
     out = {"layers": 3 * layers, "attention": 3 * attn, "fc": 2 * (2 * T * F * H), "lm_head": 2 * (2 * M * H * V)}
     out["total"] = sum(out.values())
     out.update(Q=Q, T=T, M=M)
@@ -112,14 +118,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run(args) -> dict:
+class Variant:
+    """One drafter (a draft vocabulary size) with its optimizer: `time(n)` runs n steps, `result(step_s)` reports."""
+
+    def __init__(self, args, draft_vocab: int = 0) -> None:
+        self.args, self.draft_vocab = args, draft_vocab
+        self.one_step, self.info = prepare(args, draft_vocab)
+        self.times: list[float] = []
+
+    def time(self, n: int) -> float:
+        device = self.info["device"]
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.info["last_loss"] = self.one_step()
+        sync(device)
+        self.times.append((time.perf_counter() - t0) / n)
+        return self.times[-1]
+
+
+def prepare(args, draft_vocab: int = 0):
+    """The drafter, its frozen head, optimizer and batch → (one training step, what the report needs)."""
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny and not args.cpu else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = shape(args)
+    cfg = dataclasses.replace(shape(args), draft_vocab_size=draft_vocab)
     torch.manual_seed(0)
     model = DFlashDrafter(cfg, attn_impl=args.attn).to(device)
     head = FrozenTargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02,
                             torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02)
+    if draft_vocab:  # which D tokens does not change the step's cost: the first D (make_batch draws from them)
+        model.set_draft_vocab(torch.arange(draft_vocab, device=device), head.lm_head)
     impl = resolve_impl(args.attn, device)
     compiled = False
     if args.compile and device.type == "cuda":
@@ -148,21 +176,19 @@ def run(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        one_step()
-    sync(device)
-    warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        last_loss = one_step()
-    sync(device)
-    step_s = (time.perf_counter() - t0) / args.steps
+    return one_step, {"device": device, "dtype": dtype, "cfg": cfg, "params": params, "impl": impl,
+                      "compiled": compiled, "flops": flops}
+
+
+def result(args, v: Variant) -> dict:
+    info = v.info
+    device, dtype, cfg, params, flops = info["device"], info["dtype"], info["cfg"], info["params"], info["flops"]
+    step_s = min(v.times)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            one_step()
+            v.one_step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     ceiling = matmul_ceiling(device, dtype, 8192 if device.type == "cuda" else 512)
     achieved = flops["total"] / step_s
@@ -170,14 +196,15 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "dtype": str(dtype),
-        "attn_impl": impl,
-        "compiled": compiled,
+        "attn_impl": info["impl"],
+        "compiled": info["compiled"],
         "shape": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "mlp": cfg.intermediate_size,
-                  "vocab": cfg.vocab_size, "n_taps": cfg.n_taps, "block": cfg.block_size},
+                  "vocab": cfg.vocab_size, "draft_vocab": cfg.draft_vocab_size or cfg.vocab_size, "n_taps": cfg.n_taps,
+                  "block": cfg.block_size},
         "params": sum(p.numel() for p in params),
         "seq_len": args.seq_len, "anchors": args.anchors, "seqs_per_step": args.seqs,
-        "step_s": step_s, "warmup_s": warm_s, "final_loss": last_loss,
+        "step_s": step_s, "step_s_per_round": v.times, "final_loss": info["last_loss"],
         "block_tokens_per_s": flops["Q"] / step_s,
         "context_tokens_per_s": flops["T"] / step_s,
         "valid_slots_per_s": flops["M"] / step_s,
@@ -191,6 +218,18 @@ def run(args) -> dict:
     if device.type == "cuda":
         res["max_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return res
+
+
+def run(args) -> list[dict]:
+    """Every --draft-vocab size: warm-up, then --rounds rounds of --steps steps taken in turn."""
+    variants = [Variant(args, d) for d in args.draft_vocab]
+    for v in variants:
+        for _ in range(args.warmup):
+            v.one_step()
+    for _ in range(args.rounds):
+        for v in variants:
+            v.time(args.steps)
+    return [result(args, v) for v in variants]
 
 
 def main() -> None:
@@ -210,11 +249,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attn", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--draft-vocab", default="0", help="comma-separated draft vocabulary sizes (0: the whole vocabulary)")
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds per size, taken in turn (the fastest counts)")
     args = p.parse_args()
+    args.draft_vocab = [int(d) for d in args.draft_vocab.split(",")]
     if args.tiny:
         args.anchors, args.seq_len, args.steps, args.warmup = min(args.anchors, 32), min(args.seq_len, 256), min(args.steps, 3), 1
     try:
-        res = run(args)
+        results = run(args)
     except Exception as exc:  # a compile failure must not hide the eager number
         if not args.compile or args.tiny:
             raise
@@ -222,17 +264,23 @@ def main() -> None:
         loss_mod._CE["fn"] = loss_mod._ce_chunk
         args.compile = False
         torch.cuda.empty_cache()
-        res = run(args)
-        res["compile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-    f = res["flops_per_step"]
-    print(f"device {res['device']}  attn {res['attn_impl']}  compiled {res['compiled']}  params {res['params'] / 1e6:.1f}M")
-    print(f"{'step ms':>10} {'blk tok/s':>12} {'ctx tok/s':>12} {'TFLOP/s':>9} {'MFU(peak)':>10} {'MFU(ceil)':>10} {'ceil TF/s':>10}")
-    mfu = f"{res['mfu_vs_peak']:.1%}" if res["mfu_vs_peak"] is not None else "n/a"
-    print(f"{res['step_s'] * 1e3:10.1f} {res['block_tokens_per_s']:12.0f} {res['context_tokens_per_s']:12.0f} "
-          f"{res['achieved_tflops']:9.2f} {mfu:>10} {res['mfu_vs_ceiling']:10.1%} {res['matmul_ceiling_tflops']:10.1f}")
-    print(f"FLOPs/step: layers {f['layers']:.3g} attention {f['attention']:.3g} fc {f['fc']:.3g} lm_head {f['lm_head']:.3g} total {f['total']:.3g}")
-    print(f"formula: {res['flops_formula']}")
-    write_record("train_throughput", res)
+        results = run(args)
+        for res in results:
+            res["compile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    first = results[0]
+    print(f"device {first['device']}  attn {first['attn_impl']}  compiled {first['compiled']}  params {first['params'] / 1e6:.1f}M")
+    print(f"{'draft V':>8} {'step ms':>10} {'blk tok/s':>12} {'ctx tok/s':>12} {'TFLOP/s':>9} {'MFU(peak)':>10} "
+          f"{'MFU(ceil)':>10} {'ceil TF/s':>10} {'× first':>8}")
+    for res in results:
+        mfu = f"{res['mfu_vs_peak']:.1%}" if res["mfu_vs_peak"] is not None else "n/a"
+        res["speedup_vs_first"] = res["block_tokens_per_s"] / first["block_tokens_per_s"]
+        print(f"{res['shape']['draft_vocab']:8d} {res['step_s'] * 1e3:10.1f} {res['block_tokens_per_s']:12.0f} "
+              f"{res['context_tokens_per_s']:12.0f} {res['achieved_tflops']:9.2f} {mfu:>10} {res['mfu_vs_ceiling']:10.1%} "
+              f"{res['matmul_ceiling_tflops']:10.1f} {res['speedup_vs_first']:8.2f}")
+        f = res["flops_per_step"]
+        print(f"  FLOPs/step: layers {f['layers']:.3g} attention {f['attention']:.3g} fc {f['fc']:.3g} lm_head {f['lm_head']:.3g} total {f['total']:.3g}")
+    print(f"formula: {first['flops_formula']}")
+    write_record("train_throughput", results[0] if len(results) == 1 else {"variants": results})
 
 
 if __name__ == "__main__":
