@@ -139,7 +139,8 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
              "evaluate.sampled_datasets": ("evaluate.sampled_datasets=[humaneval]", ["humaneval"]),
              "evaluate.sampled_prompts": ("evaluate.sampled_prompts=1", 1),
              "evaluate.sampling_check": ("evaluate.sampling_check.bins=20", {"enabled": True, "bins": 20, "alpha": 0.001}),
-             "baselines.temperatures": ("baselines.temperatures=[0.0]", [0.0])}  # (override, value)
+             "baselines.temperatures": ("baselines.temperatures=[0.0]", [0.0]),
+             "drafter.draft_vocab_size": ("drafter.draft_vocab_size=64", 64)}  # (override, value)
     base = ["target=tiny-random", "evaluate.sampled_datasets=[]"]  # smoke samples mt_bench; the default samples all
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")
