@@ -12,6 +12,7 @@ One run, one machine (run it with the machine otherwise idle):
 
     PYTHONPATH=src python benchmarks/cpu_roofline.py                  # ~3 min on 2 cores
     PYTHONPATH=src python benchmarks/cpu_roofline.py --tiny           # seconds (a smoke run)
+    PYTHONPATH=src python benchmarks/cpu_roofline.py --draft-vocab 8192  # + the same drafter drafting from 8,192 tokens
 Writes $OUT/cpu_roofline.json when $OUT is set.
 """
 
@@ -89,8 +90,8 @@ def target_floor(tm, n: int, past: int, ceil: dict[str, float]) -> dict[str, flo
 def drafter_floor(d, tm, ceil: dict[str, float], ctx_rows: int) -> dict[str, float]:
     """One block pass: drafter weights once, the LM head over its predicting slots, its context K/V."""
     cfg = d.cfg
-    body = sum(p.numel() for p in d.parameters())
-    head = tm.lm_head.weight.numel()
+    body = sum(p.numel() for p in d.parameters())  # the draft head is a buffer: counted in `head`
+    head = (cfg.draft_vocab_size or tm.vocab_size) * cfg.hidden_size  # the rows its head multiplies
     rows = cfg.block_size + ctx_rows  # q/k/v over [context; block], the rest over the block
     nbytes = 4 * (body + head) + 4 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 256
     flops = 2 * rows * body + 2 * cfg.n_draft * head
@@ -108,6 +109,17 @@ def build(tiny: bool):
                        target_num_layers=spec.num_layers)  # fmt: skip
     torch.manual_seed(1)
     return tm, DFlashDrafter(cfg).eval()
+
+
+def with_draft_vocab(d: DFlashDrafter, tm, size: int) -> DFlashDrafter:
+    """`d`'s weights drafting from `size` tokens (random ones: the cost does not depend on which)."""
+    import dataclasses
+
+    dv = DFlashDrafter(dataclasses.replace(d.cfg, draft_vocab_size=size))
+    dv.load_state_dict(d.state_dict(), strict=False)
+    ids = torch.randperm(tm.vocab_size, generator=torch.Generator().manual_seed(3))[:size].sort().values
+    dv.set_draft_vocab(ids, tm.lm_head.weight.detach())
+    return dv.eval()
 
 
 def dspark_of(d: DFlashDrafter) -> DFlashDrafter:
@@ -162,6 +174,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="4,8,16,32")
     ap.add_argument("--dspark", action="store_true",
                     help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
     ap.add_argument("--compare-unpacked", action="store_true",
                     help="also time verify(n) and the drafter pass with every Linear on F.linear (no oneDNN packing)")
     args = ap.parse_args()
@@ -181,18 +195,21 @@ def main() -> None:
     ar_ms = rec["verify"][0]["ms"]
     for r in rec["verify"]:
         r["over_ar"] = r["ms"] / ar_ms
-    dfl = drafter_floor(d, tm, ceil, ctx_rows=2)
-    draft_ms = 1e3 * measure_draft(tm, d, args.prompt_len, args.reps)
-    rec["draft"] = {"ms": draft_ms, **dfl, "over_floor": draft_ms / dfl["floor_ms"], "over_ar": draft_ms / ar_ms}
     n_tok = args.rounds + 4
-    for name, b in [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
-        generate(tm, make_method(name, tm, d, b), prompt, 4)  # warm-up
-        res = generate(tm, make_method(name, tm, d, b), prompt, n_tok)
-        rt = round_times(res, 1)
-        n_verify = (b + 1) if b else d.cfg.block_size
-        floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
-        rec["rounds"].append({"method": name, "budget": b, **rt, "floor_ms": floor,
-                              "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
+    drafters = [("", d)] + ([(f"D{args.draft_vocab}", with_draft_vocab(d, tm, args.draft_vocab))] if args.draft_vocab else [])
+    for tag, drafter in drafters:  # the whole vocabulary, then (--draft-vocab) the same weights on D rows
+        dfl = drafter_floor(drafter, tm, ceil, ctx_rows=2)
+        draft_ms = 1e3 * measure_draft(tm, drafter, args.prompt_len, args.reps)
+        rec["draft" + (f"_{tag}" if tag else "")] = {"ms": draft_ms, **dfl, "over_floor": draft_ms / dfl["floor_ms"],
+                                                     "over_ar": draft_ms / ar_ms}  # fmt: skip
+        for name, b in [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
+            generate(tm, make_method(name, tm, drafter, b), prompt, 4)  # warm-up
+            res = generate(tm, make_method(name, tm, drafter, b), prompt, n_tok)
+            rt = round_times(res, 1)
+            n_verify = (b + 1) if b else d.cfg.block_size
+            floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
+            rec["rounds"].append({"method": name, "budget": b, **({"drafter": tag} if tag else {}), **rt, "floor_ms": floor,
+                                  "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
     if args.dspark:  # the DSpark methods on a DSpark drafter of the same backbone (random heads, rank 256)
         ds = dspark_of(d)
         for name, b in (("dflash", None), ("dspark", None), ("ddtree", 64), ("ddtree_markov", 64)):
@@ -208,11 +225,12 @@ def main() -> None:
     print(f"{'verify n':>9} {'ms':>8} {'floor':>8} {'bound':>7} {'/floor':>7} {'/AR':>6}")
     for r in rec["verify"]:
         print(f"{r['n']:>9} {r['ms']:8.1f} {r['floor_ms']:8.1f} {r['bound']:>7} {r['over_floor']:7.2f} {r['over_ar']:6.2f}")
-    dr = rec["draft"]
-    print(f"{'draft':>9} {dr['ms']:8.1f} {dr['floor_ms']:8.1f} {'':>7} {dr['over_floor']:7.2f} {dr['over_ar']:6.2f}")
+    for key in [k for k in rec if k.startswith("draft")]:
+        dr = rec[key]
+        print(f"{key:>9} {dr['ms']:8.1f} {dr['floor_ms']:8.1f} {'':>7} {dr['over_floor']:7.2f} {dr['over_ar']:6.2f}")
     print(f"{'round':>9} {'ms':>8} {'floor':>8} {'/floor':>7} {'/AR':>6} {'draft':>7} {'verify':>7} {'other':>6}")
     for r in rec["rounds"]:
-        label = r["method"] + (f"-{r['budget']}" if r["budget"] else "") + (" (ds)" if r.get("drafter") else "")
+        label = r["method"] + (f"-{r['budget']}" if r["budget"] else "") + (f" ({r['drafter']})" if r.get("drafter") else "")
         floor = f"{r['floor_ms']:8.1f} {r['over_floor']:7.2f}" if "floor_ms" in r else f"{'':>8} {'':>7}"
         print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
