@@ -9,7 +9,8 @@ curate output of `experiment=default`, for a list of settings, and prints one ta
 A setting is `key=value,...` over: steps, batch (sequences per step), anchors, lr, frac (fraction of
 the train split used), init (cold|target), warmup (ratio), eval (every N steps), and the objective:
 ce, tv (loss term weights; tv > 0 is the distribution objective of docs/architecture.md) and aw (1 =
-acceptance weighting). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
+acceptance weighting); vocab (> 0: a draft vocabulary of that many tokens, docs/architecture.md "Draft vocabulary",
+chosen from the setting's train rows as the train stage does). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
 lr 3e-3, cold, plain CE). The target's last-layer states are captured when any setting needs them.
 
     python benchmarks/train_curve.py --curate results/default/curate --target-json results/default/target/target.json \
@@ -39,7 +40,7 @@ from draftforge.extract.capture import TapCapture
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import InMemorySource
 from draftforge.train.head import FrozenTargetHead
-from draftforge.train.loop import TrainInputs, train
+from draftforge.train.loop import TrainInputs, draft_vocab_for, train
 
 # The default experiment's train settings (conf/experiment/default.yaml) that a setting may change.
 BASE = {
@@ -54,6 +55,7 @@ BASE = {
     "ce": 1.0,
     "tv": 0.0,
     "aw": 0,
+    "vocab": 0,
 }
 
 
@@ -130,11 +132,14 @@ def run_setting(
     cfg = replace(base_cfg, max_steps=s["steps"], batch_seqs=s["batch"], num_anchors=s["anchors"], lr=s["lr"],
                   warmup_ratio=s["warmup"], init_from_target=s["init"] == "target", eval_every=s["eval"],
                   ckpt_every=10**9, log_every=10**9)  # fmt: skip
+    dcfg = replace(dcfg, draft_vocab_size=s["vocab"])
+    train_source = InMemorySource(train_items[:n_train])
+    draft_ids, vocab_coverage = draft_vocab_for(train_source, dcfg)
     with tempfile.TemporaryDirectory() as ckpt:
-        inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=InMemorySource(train_items[:n_train]),
+        inp = TrainInputs(cfg=cfg, dcfg=dcfg, train_source=train_source,
                           val_source=InMemorySource(val_items), head=head, ckpt_dir=Path(ckpt),
                           resume_key=json.dumps(s, sort_keys=True), device=device, target_hf_path=str(hf_dir),
-                          loss_weights=loss_weights(s), acceptance_weighting=bool(s["aw"]))  # fmt: skip
+                          loss_weights=loss_weights(s), acceptance_weighting=bool(s["aw"]), draft_ids=draft_ids)  # fmt: skip
         t0 = time.perf_counter()
         result = train(inp)
         wall = time.perf_counter() - t0
@@ -142,6 +147,7 @@ def run_setting(
     return {
         "setting": s,
         "n_train_seqs": n_train,
+        "draft_vocab_coverage": vocab_coverage,
         "epochs": seen / n_train,
         "wall_s": wall,
         "step_s": (result.throughput or {}).get("seconds", wall)
