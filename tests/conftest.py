@@ -75,6 +75,15 @@ def slurm_cluster(tmp_path_factory):
     yield from local_slurm(tmp_path_factory.mktemp("slurm"))
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A worker's own timing-lock folder goes with it (one per worker and run would pile up in /tmp)."""
+    lock_dir = os.environ.get("DRAFTFORGE_TIMING_LOCK_DIR", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and Path(lock_dir).name.startswith("draftforge-timing-"):
+        import shutil
+
+        shutil.rmtree(lock_dir, ignore_errors=True)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Under `--dist loadgroup` every `xdist_group` test must carry its group in its node id (how pytest-xdist sends a
