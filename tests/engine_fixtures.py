@@ -64,6 +64,16 @@ def tiny_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 
     return d.eval()
 
 
+def flat_sampling_target() -> TargetModel:
+    """A 2-layer Qwen3 on a 4-token vocabulary with flattened next-token distributions (the T > 0 law tests)."""
+    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
+                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
+    model = build_random_model(spec)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.12)  # flatter next-token distributions than the default init
+    return wrap_target(model, (0,))
+
+
 def some_ids(vocab: int, size: int, seed: int = 0) -> torch.Tensor:
     """(size,) ascending distinct random token ids (a draft vocabulary)."""
     return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].sort().values

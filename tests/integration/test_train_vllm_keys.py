@@ -9,6 +9,7 @@ Runs in a subprocess: vLLM's distributed state must not leak into the pytest pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,9 +23,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
 
 
-def _vllm_load(target_dir: str, drafter_dir: str, block_size: int, dist_file: str) -> dict:
+@contextlib.contextmanager
+def _vllm_dflash(target_dir: str, drafter_dir: str, block_size: int, dist_file: str):
+    """vLLM's DFlashQwen3ForCausalLM for the exported drafter (weights not loaded), inside vLLM's config context."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
@@ -37,7 +39,13 @@ def _vllm_load(target_dir: str, drafter_dir: str, block_size: int, dist_file: st
         initialize_model_parallel(1, 1)
         from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-        model = DFlashQwen3ForCausalLM(vllm_config=vc)
+        yield DFlashQwen3ForCausalLM(vllm_config=vc), vc
+
+
+def _vllm_load(target_dir: str, drafter_dir: str, block_size: int, dist_file: str) -> dict:
+    from safetensors.torch import load_file
+
+    with _vllm_dflash(target_dir, drafter_dir, block_size, dist_file) as (model, vc):
         tensors = load_file(str(Path(drafter_dir) / "model.safetensors"))
         loaded = set(model.model.load_weights(iter(tensors.items())))
     params = {n for n, _ in model.model.named_parameters()}
@@ -81,21 +89,9 @@ def test_exported_keys_are_exactly_what_vllm_loads(tiny_target_info, tmp_path, s
 def _vllm_draft_logits(target_dir: str, drafter_dir: str, block_size: int, dist_file: str) -> dict:
     """vLLM's DFlashQwen3ForCausalLM as a whole (its own load_weights: lm_head, d2t) → its compute_logits of the
     hidden states saved beside the drafter (hidden.pt)."""
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=target_dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
-                      speculative_config={"method": "dflash", "model": drafter_dir, "num_speculative_tokens": block_size - 1})
-    vc = args.create_engine_config()
-    with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{dist_file}", backend="gloo")
-        initialize_model_parallel(1, 1)
-        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
-
-        model = DFlashQwen3ForCausalLM(vllm_config=vc)
+    with _vllm_dflash(target_dir, drafter_dir, block_size, dist_file) as (model, vc):
         model.load_weights(iter(load_file(str(Path(drafter_dir) / "model.safetensors")).items()))
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 

@@ -15,15 +15,21 @@ from safetensors.torch import load_file
 from draftforge.drafter.export import export_drafter, load_drafter
 from draftforge.drafter.settings import DrafterConfig
 from draftforge.drafter.vocab import choose_draft_vocab, coverage, target_to_draft, to_target_logits
-from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, wrap_target
+from draftforge.engine import generate_ar, generate_ddtree, generate_dflash
 from draftforge.errors import ConfigError, StageError
-from draftforge.target.config import RandomTargetConfig
-from draftforge.target.random import build_random_model
 from draftforge.train.dspark_loss import dense_terms, dist_terms, target_lse
 from draftforge.train.loss import block_losses
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_fixtures import assert_matches_target_law, one_thread, prompt, some_ids, tiny_drafter, tiny_target  # noqa: E402,F401
+from engine_fixtures import (  # noqa: E402,F401
+    assert_matches_target_law,
+    flat_sampling_target,
+    one_thread,
+    prompt,
+    some_ids,
+    tiny_drafter,
+    tiny_target,
+)
 
 
 def test_the_vocabulary_is_the_most_frequent_labels_ascending_ties_to_the_lower_id():
@@ -131,12 +137,7 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(arch):
 def test_sampling_with_a_draft_vocabulary_matches_the_target_distribution():
     """T = 1 on a 4-token vocabulary with a drafter that can draft 3 of them: the first 3 tokens' joint law is
     the target's (Pearson χ², as the whole-vocabulary test in test_engine.py)."""
-    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
-                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
-    model = build_random_model(spec)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.12)
-    tm = wrap_target(model, (0,))
+    tm = flat_sampling_target()
     drafter = tiny_drafter(tm, seed=1, block=4, draft_ids=torch.tensor([0, 1, 3]))
     p, n_tok, n = [0, 1, 2, 1, 3], 3, 2000
     gen = torch.Generator().manual_seed(1234)

@@ -15,16 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draftforge.engine import (  # noqa: E402
     generate,
     generate_ar,
-    make_method,
-    wrap_target,  # noqa: E402
+    make_method,  # noqa: E402
 )
 from draftforge.engine.dspark import build_markov_tree  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
-from draftforge.target.config import RandomTargetConfig  # noqa: E402
-from draftforge.target.random import build_random_model  # noqa: E402
 from engine_fixtures import (  # noqa: E402
     ARCHS,
     assert_matches_target_law,
+    flat_sampling_target,
     one_thread,  # noqa: F401  (autouse fixture)
     prompt,
     tiny_drafter,
@@ -129,12 +127,7 @@ def test_dflash_drafter_refuses_dspark_methods():
 @pytest.mark.parametrize("method", ["ddtree_markov", pytest.param("dspark", marks=pytest.mark.integration)])
 def test_sampling_matches_target_distribution(method):
     """As the DFlash/DDTree chi-square test: first 3 tokens at T=1 on a 4-token vocabulary."""
-    spec = RandomTargetConfig(architecture="Qwen3ForCausalLM", vocab_size=4, hidden_size=32, intermediate_size=64,
-                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, seed=3)
-    model = build_random_model(spec)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(0.12)
-    tm = wrap_target(model, (0,))
+    tm = flat_sampling_target()
     drafter = tiny_dspark_drafter(tm, seed=1, block=3, rank=4)
     p, n_tok, n = [0, 1, 2, 1, 3], 3, 2000
     gen = torch.Generator().manual_seed(1234)
