@@ -179,6 +179,8 @@ def main() -> None:
         required=True,
         help="results/default/target/target.json",
     )
+    p.add_argument("--val-curate", type=Path, help="read the val split from this curate output instead (one val set "
+                   "for train data of different curate settings)")
     p.add_argument("--gguf", type=Path, help="convert this GGUF (else --hf-dir)")
     p.add_argument("--hf-dir", type=Path, help="an already converted HF folder")
     p.add_argument(
@@ -215,7 +217,7 @@ def main() -> None:
     t0 = time.perf_counter()
     train_rows, val_rows = (
         read_split(args.curate, "train"),
-        read_split(args.curate, "val")[: args.val_seqs],
+        read_split(args.val_curate or args.curate, "val")[: args.val_seqs],
     )
     if args.max_train:
         train_rows = train_rows[: args.max_train]
@@ -243,6 +245,7 @@ def main() -> None:
     )
     results = []
     record = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "target": info["name"],
+              "curate": str(args.curate), "val_curate": str(args.val_curate or args.curate),
               "n_train_seqs": len(train_items), "n_val_seqs": len(val_items), "train_tokens": n_tok,
               "feature_s": extract_s, "results": results}  # fmt: skip
     for s in settings:
