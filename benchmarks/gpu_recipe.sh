@@ -4,6 +4,9 @@
 # `split -b 50M`):
 #   bash benchmarks/gpu_recipe.sh part1                                   # stash part 1 in /tmp/gguf
 #   bash benchmarks/gpu_recipe.sh curve CURATE_DIR [--val-curate DIR] SETTING...   # join, check, train_curve
+#   LONG="SETTING..." DEFAULT="SETTING..." bash benchmarks/gpu_recipe.sh answers MAX_NEW   # whole answers: the curate
+#       rows' answers regenerated up to MAX_NEW tokens (benchmarks/regen_answers.py), train_curve on them (val from
+#       the default curate), then train_curve on the default curate; $DEFAULT last, so the budget cuts it first
 #   bash benchmarks/gpu_recipe.sh vocab PROMPTS.json   # the stages: dflash_aw with the whole head and with a draft
 #       vocabulary of 8,192 (train, then evaluate on frozen prompts; benchmarks/gpu_drafters.sh)
 # The curate output (and results/default/target/target.json) travel as carried paths. Env: COMMIT, OUT, BUDGET_S
@@ -35,6 +38,27 @@ case "${1:-}" in
     timeout $((END - $(date +%s))) python3 benchmarks/train_curve.py --curate "$curate" \
       --target-json results/default/target/target.json --gguf "$GGUF" --cache /tmp/cache "$@" 2>&1 | tee -a "$LOG"
     say "rc=${PIPESTATUS[0]}"
+    ;;
+  answers)
+    join_gguf "$GGUF" || exit 1
+    export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    { echo "commit: ${COMMIT:-unknown}"; echo "date: $(date -u +%FT%TZ)"; nvidia-smi -L; } | tee "$OUT/answers.log"
+    hf=$(python3 -c "from pathlib import Path; from draftforge.target.gguf import convert_gguf
+print(convert_gguf(Path('$GGUF'), Path('/tmp/cache'), 'smollm2-135m'))" 2>/dev/null | tail -1)
+    say "regen_answers --max-new $2 ($hf)" | tee -a "$OUT/answers.log"
+    python3 benchmarks/regen_answers.py --curate results/default/curate --hf-dir "$hf" --out /tmp/long --max-new "$2" ${REGEN_ARGS:-} \
+      2>&1 | grep -v "rows " | tee -a "$OUT/answers.log"
+    cp /tmp/long/regen_summary.json "$OUT/" 2>/dev/null
+    for run in long default; do
+      if [ $run = long ]; then data=(/tmp/long --val-curate results/default/curate); set -- $LONG
+      else data=(results/default/curate); set -- ${DEFAULT:-}; fi
+      [ $# -eq 0 ] && continue
+      t=$((END - $(date +%s) - 5)); say "train_curve $run (timeout $t s): $*" | tee -a "$OUT/answers.log"
+      OUT=$OUT/$run timeout $t python3 benchmarks/train_curve.py --curate "${data[@]}" \
+        --target-json results/default/target/target.json --hf-dir "$hf" ${CURVE_ARGS:-} "$@" 2>&1 | tr '\r' '\n' \
+        | grep -vE '^train: +[0-9]+%|^Loading|^\s*$' | tee -a "$OUT/answers.log"
+    done
+    say done | tee -a "$OUT/answers.log"
     ;;
   vocab)
     PROMPTS=$(readlink -f "$2")
