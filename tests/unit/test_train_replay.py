@@ -152,12 +152,12 @@ def test_resume_across_the_replay_step_equals_uninterrupted(tiny_target_info, it
     cfg = cfg_for(replay_from=0.5)
     full = train(make_inputs(tiny_target_info, cfg, items, items[:2], tmp_path / "full"))
     table = torch.load(tmp_path / "full" / "step-00000009.pt", weights_only=True)["replay"]
-    for stop in (7, 3):
+    for stop in (7, 5, 3):  # after the table, right at its step (not built yet), before it
         ckpt = tmp_path / f"stop{stop}"
         inp = make_inputs(tiny_target_info, cfg, items, items[:2], ckpt)
         inp.stop = StopAfter(stop)
         part = train(inp)
-        assert part.interrupted and part.step == stop and len(part.phases) == (stop >= 5)
+        assert part.interrupted and part.step == stop and len(part.phases) == (stop > 5)
         rest = train(make_inputs(tiny_target_info, cfg, items, items[:2], ckpt))
         assert rest.step == 10 and [p["step"] for p in rest.phases] == [5]
         assert [h["loss"] for h in rest.history] == [h["loss"] for h in full.history]

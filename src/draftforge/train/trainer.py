@@ -220,8 +220,9 @@ def phased_batches(task: TrainTask, spec: LoopSpec, start: int,
     boundary s the previous phase's prefetcher has ended (it builds nothing past s - 1), `on_phase(s)` runs on
     the consumer's thread once step s - 1 is done, then a fresh prefetcher builds from s. Closing this generator
     closes the running prefetcher."""
-    cuts = sorted({s for s in task.phase_steps() if start <= s < spec.total})
-    for lo, hi in zip([start, *cuts], [*cuts, spec.total]):
+    cuts = {s for s in task.phase_steps() if start <= s < spec.total}  # a run resumed at a boundary enters it too
+    points = sorted(cuts | {start})  # each phase once, even when it starts at `start`
+    for lo, hi in zip(points, [*points[1:], spec.total]):
         if lo in cuts:
             on_phase(lo)
         it = Prefetcher(step_batches(task, spec, lo, hi), depth=spec.prefetch)
