@@ -11,8 +11,8 @@ the train split used), init (cold|target), warmup (ratio), eval (every N steps),
 ce, tv (loss term weights; tv > 0 is the distribution objective of docs/architecture.md) and aw (1 =
 acceptance weighting); vocab (> 0: a draft vocabulary of that many tokens, docs/architecture.md "Draft vocabulary",
 chosen from the setting's train rows as the train stage does); replay (the fraction of steps after which on-policy
-replay starts, 0 = off, docs/architecture.md "On-policy replay"; its walk covers train.replay_rows rows) and
-replay_share (the share of a walked row's anchors drawn from its rejection positions). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
+replay starts, 0 = off, docs/architecture.md "On-policy replay"), replay_share (the share of a walked row's anchors
+drawn from its rejection positions) and replay_rows (rows walked, spread over the setting's train rows). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
 lr 3e-3, cold, plain CE). The target's last-layer states are captured when any setting needs them.
 
     python benchmarks/train_curve.py --curate results/default/curate --target-json results/default/target/target.json \
@@ -60,6 +60,7 @@ BASE = {
     "vocab": 0,
     "replay": 0.0,
     "replay_share": 0.5,
+    "replay_rows": 256,
 }
 
 
@@ -137,7 +138,8 @@ def run_setting(
     n_train = max(s["batch"], int(len(train_items) * s["frac"]))
     cfg = replace(base_cfg, max_steps=s["steps"], batch_seqs=s["batch"], num_anchors=s["anchors"], lr=s["lr"],
                   warmup_ratio=s["warmup"], init_from_target=s["init"] == "target", eval_every=s["eval"],
-                  ckpt_every=10**9, log_every=10**9, replay_from=s["replay"], replay_share=s["replay_share"])  # fmt: skip
+                  ckpt_every=10**9, log_every=10**9, replay_from=s["replay"], replay_share=s["replay_share"],
+                  replay_rows=s["replay_rows"])  # fmt: skip
     dcfg = replace(dcfg, draft_vocab_size=s["vocab"])
     train_source = InMemorySource(train_items[:n_train])
     draft_ids, vocab_coverage = draft_vocab_for(train_source, dcfg)
