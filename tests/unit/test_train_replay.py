@@ -20,7 +20,7 @@ from draftforge.train.loop import BlockTask, forward_batch, loop_spec, total_ste
 from draftforge.train.loss import slot_weights  # noqa: E402
 from draftforge.train.replay import ReplayTable, accepted_lengths, draw_replay_anchors, walk_chain  # noqa: E402
 from draftforge.train.trainer import run  # noqa: E402
-from engine_fixtures import one_thread, prompt, tiny_drafter, tiny_target  # noqa: E402, F401  (one_thread: autouse)
+from engine_fixtures import one_thread, prompt, tiny_drafter, tiny_dspark_drafter, tiny_target  # noqa: E402, F401  (one_thread: autouse)
 from train_fixtures import StopAfter, make_inputs, spawn_gloo, synthetic_items  # noqa: E402
 
 
@@ -42,15 +42,24 @@ def test_walk_chain_follows_accepted_lengths():
     assert walk_chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 3).starts.numel() == 0
 
 
-@pytest.mark.parametrize("arch,vocab,block,seed", [("LlamaForCausalLM", 8, 8, 4), ("Qwen3ForCausalLM", 8, 6, 1),
-                                                   ("LlamaForCausalLM", 96, 6, 0)])
-def test_walk_equals_the_engines_greedy_dflash_rounds(arch, vocab, block, seed):
+@pytest.mark.parametrize("arch,vocab,block,seed,kind", [("LlamaForCausalLM", 8, 8, 4, "dflash"),
+                                                        ("Qwen3ForCausalLM", 8, 6, 1, "dflash"),
+                                                        ("LlamaForCausalLM", 96, 6, 0, "dflash"),
+                                                        ("LlamaForCausalLM", 8, 6, 4, "dspark"),
+                                                        ("LlamaForCausalLM", 8, 6, 4, "dspark_bonus_anchor")])
+def test_walk_equals_the_engines_greedy_chain_rounds(arch, vocab, block, seed, kind):
     """A training row made as curate + extract make one (the target's greedy answer, its tapped features) walked
-    with the drafter's teacher-forced blocks gives the engine's T = 0 DFlash chain rounds exactly (fp32, CPU)."""
-    from draftforge.engine import generate_ar, generate_dflash
+    with the drafter's teacher-forced blocks gives the engine's T = 0 chain rounds exactly (fp32, CPU): DFlash, and
+    DSpark (Markov bias, both block conventions) through the objective's hits."""
+    from draftforge.engine import generate, generate_ar, make_method
+    from draftforge.train.loop import Objective
 
     tm = tiny_target(arch, vocab=vocab, seed=seed)
-    drafter = tiny_drafter(tm, seed=seed, block=block)
+    if kind == "dflash":
+        drafter, method, obj = tiny_drafter(tm, seed=seed, block=block), "dflash", None
+    else:
+        drafter = tiny_dspark_drafter(tm, seed=seed, block=block, bonus_anchor=kind.endswith("bonus_anchor"))
+        method, obj = "dspark", Objective({"ce": 1.0})  # the Markov bias from the data token before each slot
     p = prompt(vocab, 6, seed=seed)
     n_new = 40
     answer = generate_ar(tm, p, n_new + 2 * block).tokens  # long enough that every round's block fits in the row
@@ -60,22 +69,23 @@ def test_walk_equals_the_engines_greedy_dflash_rounds(arch, vocab, block, seed):
     hidden = TapCapture(tm.hf, list(tm.tap_ids)).run(ids[None], torch.ones(1, ids.numel(), dtype=torch.long)).clone()
     head = FrozenTargetHead(tm.embed.weight.detach().clone(), tm.lm_head.weight.detach().clone())
     cfg = drafter.cfg
+    n_draft = cfg.block_size - cfg.first_slot
     weights = slot_weights(cfg.block_size, None, cfg.first_slot)
 
     def score(batch):
-        return forward_batch(drafter, head, batch, weights, "sdpa")
+        return forward_batch(drafter, head, batch, weights, "sdpa", obj)
 
     a = accepted_lengths(score, (ids, mask, hidden), cfg.block_size, cfg.mask_token_id, cfg.first_slot, cfg.pred_offset,
                          chunk=16)  # several chunks
     walk = walk_chain(a.candidates, a.acc, a.room)
-    eng = generate_dflash(tm, drafter, p, n_new)
+    eng = generate(tm, make_method(method, tm, drafter), p, n_new)
     assert eng.tokens == answer[:n_new]  # lossless: the row's answer is what the engine commits
     taus = eng.accept_lengths
     starts = (len(p) + torch.tensor([0, *taus[:-1]]).cumsum(0)).tolist()
     n = len(taus)
     assert walk.starts[:n].tolist() == starts
     assert walk.accepted[:n].tolist() == [t - 1 for t in taus]
-    assert walk.rejected[walk.rejected < starts[-1] + 1].tolist() == [s for s, t in zip(starts, taus) if t - 1 < block - 1]
+    assert walk.rejected[walk.rejected <= starts[-1]].tolist() == [s for s, t in zip(starts, taus) if t - 1 < n_draft]
     assert max(taus) >= 2 or vocab > 8  # the small vocabulary accepts drafts: the walk's steps are not all 1
 
 
