@@ -10,7 +10,9 @@ A setting is `key=value,...` over: steps, batch (sequences per step), anchors, l
 the train split used), init (cold|target), warmup (ratio), eval (every N steps), and the objective:
 ce, tv (loss term weights; tv > 0 is the distribution objective of docs/architecture.md) and aw (1 =
 acceptance weighting); vocab (> 0: a draft vocabulary of that many tokens, docs/architecture.md "Draft vocabulary",
-chosen from the setting's train rows as the train stage does). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
+chosen from the setting's train rows as the train stage does); replay (the fraction of steps after which on-policy
+replay starts, 0 = off, docs/architecture.md "On-policy replay"), replay_share (the share of a walked row's anchors
+drawn from its rejection positions) and replay_rows (rows walked, spread over the setting's train rows). Defaults are the default experiment's CPU settings (120 steps, 4 x 32 anchors,
 lr 3e-3, cold, plain CE). The target's last-layer states are captured when any setting needs them.
 
     python benchmarks/train_curve.py --curate results/default/curate --target-json results/default/target/target.json \
@@ -56,6 +58,9 @@ BASE = {
     "tv": 0.0,
     "aw": 0,
     "vocab": 0,
+    "replay": 0.0,
+    "replay_share": 0.5,
+    "replay_rows": 256,
 }
 
 
@@ -72,6 +77,8 @@ def parse_setting(text: str) -> dict[str, Any]:
         raise SystemExit(f"setting {text!r}: init must be cold or target")
     if out["aw"] not in (0, 1) or out["ce"] < 0 or out["tv"] < 0 or out["ce"] + out["tv"] <= 0:
         raise SystemExit(f"setting {text!r}: aw must be 0 or 1, ce and tv >= 0 with a positive sum")
+    if not (0 <= out["replay"] < 1 and 0 <= out["replay_share"] <= 1):
+        raise SystemExit(f"setting {text!r}: replay must be in [0, 1) (0 = off), replay_share in [0, 1]")
     return out
 
 
@@ -131,7 +138,8 @@ def run_setting(
     n_train = max(s["batch"], int(len(train_items) * s["frac"]))
     cfg = replace(base_cfg, max_steps=s["steps"], batch_seqs=s["batch"], num_anchors=s["anchors"], lr=s["lr"],
                   warmup_ratio=s["warmup"], init_from_target=s["init"] == "target", eval_every=s["eval"],
-                  ckpt_every=10**9, log_every=10**9)  # fmt: skip
+                  ckpt_every=10**9, log_every=10**9, replay_from=s["replay"], replay_share=s["replay_share"],
+                  replay_rows=s["replay_rows"])  # fmt: skip
     dcfg = replace(dcfg, draft_vocab_size=s["vocab"])
     train_source = InMemorySource(train_items[:n_train])
     draft_ids, vocab_coverage = draft_vocab_for(train_source, dcfg)
@@ -158,6 +166,8 @@ def run_setting(
             for e in result.evals
         ],
         "best": result.best,
+        # on-policy replay: its step, rows walked, walk τ, rejection positions, walk wall seconds (not in step_s)
+        "replay": result.phases[0] if result.phases else None,
     }
 
 
@@ -255,23 +265,27 @@ def main() -> None:
         results.append(res)
         best = res["best"] or {}
         curve = " ".join(f"{e['step']}:{e['val_sim_tau']:.3f}" for e in res["curve"])
+        rep = res["replay"]
+        walk = (f" | replay at {rep['replay_step']:.0f}: {rep['replay_rows']:.0f} rows, walk τ {rep['replay_walk_tau']:.3f}, "
+                f"{rep['replay_rejections']:.0f} rejections, {rep['replay_walk_s']:.1f} s") if rep else ""
         print(
             f"{json.dumps(s)} | seqs {res['n_train_seqs']} epochs {res['epochs']:.1f} | {res['step_s'] * 1e3:.0f} ms/step | "
             f"train loss {res['final_train_loss']:.3f} | best val τ {best.get('val_sim_tau', float('nan')):.3f} "
-            f"loss {best.get('val_loss', float('nan')):.3f} acc1 {best.get('val_acc_slot_1', float('nan')):.3f} | curve {curve}",
+            f"loss {best.get('val_loss', float('nan')):.3f} acc1 {best.get('val_acc_slot_1', float('nan')):.3f} | curve {curve} | "
+            f"wall {res['wall_s']:.0f} s{walk}",
             flush=True,
         )
         write_record(
             "train_curve", record
         )  # after every setting: a killed run keeps what finished
     print(
-        f"\n{'steps':>6} {'batch':>5} {'anch':>5} {'lr':>7} {'frac':>5} {'init':>6} {'ce':>4} {'tv':>4} {'aw':>2} {'epochs':>6} {'trainL':>7} {'valL':>6} {'acc1':>6} {'acc2':>6} {'acc':>6} {'τ_sim':>6}"
+        f"\n{'steps':>6} {'batch':>5} {'anch':>5} {'lr':>7} {'frac':>5} {'init':>6} {'ce':>4} {'tv':>4} {'aw':>2} {'rep':>4} {'epochs':>6} {'trainL':>7} {'valL':>6} {'acc1':>6} {'acc2':>6} {'acc':>6} {'τ_sim':>6}"
     )
     for r in results:
         s, b = r["setting"], r["best"] or {}
         print(
             f"{s['steps']:>6} {s['batch']:>5} {s['anchors']:>5} {s['lr']:>7.0e} {s['frac']:>5.2f} {s['init']:>6} "
-            f"{s['ce']:>4.1f} {s['tv']:>4.1f} {s['aw']:>2} {r['epochs']:>6.1f} "
+            f"{s['ce']:>4.1f} {s['tv']:>4.1f} {s['aw']:>2} {s['replay']:>4.2f} {r['epochs']:>6.1f} "
             f"{r['final_train_loss']:>7.3f} {b.get('val_loss', float('nan')):>6.3f} {b.get('val_acc_slot_1', float('nan')):>6.3f} "
             f"{b.get('val_acc_slot_2', float('nan')):>6.3f} {b.get('val_acc', float('nan')):>6.3f} {b.get('val_sim_tau', float('nan')):>6.3f}"
         )

@@ -144,7 +144,8 @@ ADDED_OPTIONS: dict[str, Any] = {"drafter.acceptance_weighting": False, "drafter
                                  "extract.batch_fill": 0.9,
                                  "evaluate.sampled_datasets": [], "evaluate.sampled_prompts": 0,
                                  "evaluate.sampling_check": asdict(SamplingCheckConfig()),
-                                 "baselines.temperatures": None, "drafter.draft_vocab_size": 0}
+                                 "baselines.temperatures": None, "drafter.draft_vocab_size": 0,
+                                 "train.replay_from": 0.0, "train.replay_share": 0.5, "train.replay_rows": 256}
 # Keys a stage tracks since after results existed (stage → {key: value before}): left out of that stage's params
 # at that value, as ADDED_OPTIONS, for that stage only (the stages that tracked them all along keep them).
 NEWLY_TRACKED: dict[str, dict[str, Any]] = {

@@ -140,7 +140,9 @@ def test_an_added_option_at_its_default_leaves_the_params_as_before() -> None:
              "evaluate.sampled_prompts": ("evaluate.sampled_prompts=1", 1),
              "evaluate.sampling_check": ("evaluate.sampling_check.bins=20", {"enabled": True, "bins": 20, "alpha": 0.001}),
              "baselines.temperatures": ("baselines.temperatures=[0.0]", [0.0]),
-             "drafter.draft_vocab_size": ("drafter.draft_vocab_size=64", 64)}  # (override, value)
+             "drafter.draft_vocab_size": ("drafter.draft_vocab_size=64", 64),
+             "train.replay_from": ("train.replay_from=0.5", 0.5), "train.replay_share": ("train.replay_share=0.25", 0.25),
+             "train.replay_rows": ("train.replay_rows=8", 8)}  # (override, value)
     base = ["target=tiny-random", "evaluate.sampled_datasets=[]"]  # smoke samples mt_bench; the default samples all
     for key in ADDED_OPTIONS:
         section, leaf = key.split(".")

@@ -78,6 +78,13 @@ class TrainConfig:
     confidence_loss_weight: float = 1.0
     loss_vocab_chunk: int = 8192  # vocabulary columns per chunk of the fp32 distribution objective
     init_from: str = ""  # warm start from a trained DFlash drafter folder (config.json + model.safetensors)
+    # On-policy replay (block drafters; docs/architecture.md, "On-policy replay"). replay_from: 0 = off; else
+    # the fraction of the run's steps after which the current drafter walks `replay_rows` train rows (spread
+    # evenly over the split) as the engine's T = 0 chain decode would, and from then on replay_share of each
+    # walked row's num_anchors are drawn from the positions where its drafts were rejected (the rest uniform).
+    replay_from: float = 0.0
+    replay_share: float = 0.5
+    replay_rows: int = 256
 
     def __post_init__(self) -> None:
         check(self.gpus >= 0, "train.gpus", f"{self.gpus} must be >= 0")
@@ -96,4 +103,8 @@ class TrainConfig:
         check(self.mtp_rows >= 1, "train.mtp_rows", f"{self.mtp_rows} must be >= 1")
         check(self.mtp_val_drafts >= 1, "train.mtp_val_drafts", f"{self.mtp_val_drafts} must be >= 1")
         check(self.mtp_eval_every >= 1, "train.mtp_eval_every", f"{self.mtp_eval_every} must be >= 1")
+        check(self.replay_from == 0 or 0 < self.replay_from < 1, "train.replay_from",
+              f"{self.replay_from}: use 0 (off) or a fraction of the steps in (0, 1)")
+        check(0 <= self.replay_share <= 1, "train.replay_share", f"{self.replay_share} must be in [0, 1]")
+        check(self.replay_rows >= 1, "train.replay_rows", f"{self.replay_rows} must be >= 1")
 

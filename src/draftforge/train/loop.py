@@ -27,6 +27,7 @@ from draftforge.train.data import Batch, FeatureSource, collate, draw_anchors, t
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic, target_lse
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
+from draftforge.train.replay import ReplayTable, build_table, draw_replay_anchors
 from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, lr_lambda, run
 
 __all__ = ["TrainInputs", "TrainResult", "BlockTask", "train", "lr_lambda"]
@@ -323,11 +324,20 @@ class BlockTask:
             for layer in self.model.layers:
                 layer.compile()
             compile_loss()
+        # On-policy replay: the table is built before step `replay_at` (trainer phase boundary) and read by every
+        # later batch; None until then (a resumed run past it takes the checkpoint's).
+        self.replay_at = replay_step(cfg, total_steps(cfg, self.n_train, inp.world)[1])
+        self.replay: ReplayTable | None = None
 
     def batch(self, seqs: list[int], step: int, epoch: int) -> Batch:
         cfg, dcfg = self.inp.cfg, self.inp.dcfg
         items = [truncate(self.inp.train_source[i], cfg.max_seq_len) for i in seqs]
-        anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, seqs)]
+        table = self.replay  # set only between prefetch phases: no batch of a step >= replay_at is built without it
+        if table is None:
+            anchors = [draw_anchors(it[1], cfg.num_anchors, cfg.seed, epoch, i) for it, i in zip(items, seqs)]
+        else:
+            anchors = [draw_replay_anchors(it[1], table.rejected(i), cfg.num_anchors, cfg.replay_share, cfg.seed, epoch, i)
+                       for it, i in zip(items, seqs)]  # fmt: skip
         batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, self.dtype, *convention(dcfg))
         return batch.pin_memory() if self.inp.device.type == "cuda" else batch
 
@@ -352,7 +362,43 @@ class BlockTask:
         return evaluate(self.model, self.inp, self.dtype)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {"dcfg": self.inp.dcfg.to_dict()}
+        return {"dcfg": self.inp.dcfg.to_dict(), **({"replay": self.replay.state()} if self.replay is not None else {})}
+
+    def restore_extra(self, payload: dict[str, Any]) -> None:
+        if "replay" in payload:
+            self.replay = ReplayTable.from_state(payload["replay"])
+
+    def phase_steps(self) -> list[int]:
+        return [self.replay_at] if self.replay_at is not None else []
+
+    @torch.no_grad()
+    def enter_phase(self, step: int) -> dict[str, float]:
+        """Build the replay table with the current weights (eval mode, no grad; every rank walks its share)."""
+        if self.replay is not None:  # restored from a checkpoint written after it was built
+            return {}
+        inp, dcfg = self.inp, self.inp.dcfg
+        first, offset = convention(dcfg)
+        obj = self.obj if is_dspark(dcfg) else None  # DFlash: the argmax over the drafted rows; DSpark: with its Markov bias
+        was_training = self.model.training
+        self.model.eval()
+
+        def score(batch: Batch) -> BlockOutputs:
+            batch = batch.to(inp.device)
+            with _autocast(inp.device, self.dtype):
+                return forward_batch(self.model, inp.head, batch, self.weights, inp.cfg.attn_impl, obj)
+
+        rows = val_indices(self.n_train, inp.cfg.replay_rows)
+        self.replay = build_table(score, inp.train_source, rows, step, block_size=dcfg.block_size,
+                                  mask_token_id=dcfg.mask_token_id, first_slot=first, pred_offset=offset,
+                                  max_seq_len=inp.cfg.max_seq_len, dtype=self.dtype, device=inp.device,
+                                  rank=inp.rank, world=inp.world)  # fmt: skip
+        self.model.train(was_training)
+        return {"replay_step": float(step), **self.replay.metrics}
+
+
+def replay_step(cfg: TrainConfig, total: int) -> int | None:
+    """The step before which the replay table is built (train.replay_from of the run's steps); None: off."""
+    return round(cfg.replay_from * total) if cfg.replay_from > 0 else None
 
 
 def loop_spec(inp: TrainInputs, total: int) -> LoopSpec:

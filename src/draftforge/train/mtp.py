@@ -239,6 +239,15 @@ class MTPTask:
     def checkpoint_extra(self) -> dict[str, Any]:
         return {}
 
+    def restore_extra(self, payload: dict[str, Any]) -> None:
+        pass
+
+    def phase_steps(self) -> list[int]:
+        return []
+
+    def enter_phase(self, step: int) -> dict[str, float]:
+        return {}
+
 
 def train_mtp(inp: MTPInputs) -> LoopResult:
     """Train (or resume) the MTP head to cfg.mtp_steps through the one loop (`trainer.run`): AdamW (0.9, 0.95),

@@ -229,6 +229,7 @@ def _finish(ctx, cfg: TrainConfig, dcfg: DFlashConfig, info: dict[str, Any], res
         "train_curve": result.history[:: max(1, len(result.history) // 200)],
         "drafter": dcfg.to_dict(),
         "drafter_type": ctx.cfg.drafter.type,
+        **({"replay": result.phases} if result.phases else {}),  # on-policy replay: the walk's record (its seconds)
     }
     if result.best:
         run_log.log_metrics({"best_val_sim_tau": result.best["val_sim_tau"], "best_val_acc": result.best["val_acc"]})

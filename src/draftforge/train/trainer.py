@@ -16,6 +16,8 @@ Distributed invariants (W ranks, gloo on CPU / NCCL on GPU under torchrun):
   rank stops after the same step;
 - phase 2 (`TrainTask.backward`) back-propagates this rank's share of the *global* loss; the loop sums
   the gradients over ranks, so W ranks of b sequences take the step one process takes on W·b sequences.
+- a task's phase boundary s (`TrainTask.phase_steps`): no batch of a step >= s is built before
+  `TrainTask.enter_phase(s)` ran on every rank (the prefetcher is drained at s and restarted after it).
 """
 
 from __future__ import annotations
@@ -83,6 +85,20 @@ class TrainTask(Protocol):
         """What a checkpoint holds beyond the loop's state (plain containers and tensors)."""
         ...
 
+    def restore_extra(self, payload: dict[str, Any]) -> None:
+        """Take back what `checkpoint_extra` wrote (a resumed run continues with the same task state)."""
+        ...
+
+    def phase_steps(self) -> list[int]:
+        """Steps s before which the task changes how it builds batches: the loop runs `enter_phase(s)` after step
+        s - 1 (its eval and checkpoint included) and builds no batch of a step >= s before that."""
+        ...
+
+    def enter_phase(self, step: int) -> dict[str, float]:
+        """Runs on every rank, in step (collectives allowed), at a boundary of `phase_steps` that a resumed run
+        has not passed yet; returns metrics to log at `step` (rank 0 logs them, the result keeps them)."""
+        ...
+
 
 @dataclass
 class LoopSpec:
@@ -126,6 +142,7 @@ class LoopResult:
     # excluded: {"steps", "seconds", "<work>_per_s"} (global work).
     throughput: dict[str, float] | None = None
     seconds: float = 0.0  # this process's time in the loop (a resumed run: since the resume)
+    phases: list[dict[str, float]] = field(default_factory=list)  # enter_phase's metrics, with "step"
 
     def selected(self) -> dict[str, torch.Tensor]:
         """The weights to export: the best val step's on rank 0, else the last."""
@@ -185,16 +202,34 @@ def save_checkpoint_rank0(ckpt_dir: Path, step: int, payload: Callable[[], dict[
         dist.barrier()
 
 
-def step_batches(task: TrainTask, spec: LoopSpec, start: int) -> Iterator[tuple[int, int, Any]]:
-    """(0-based step, epoch, this rank's batch) from `start` to spec.total."""
+def step_batches(task: TrainTask, spec: LoopSpec, start: int, end: int | None = None) -> Iterator[tuple[int, int, Any]]:
+    """(0-based step, epoch, this rank's batch) from `start` to `end` (spec.total)."""
     gb = spec.batch_seqs * max(1, spec.world)
     per_epoch = -(-task.n_train // gb)
     order: tuple[int, list[list[int]]] | None = None
-    for step in range(start, spec.total):
+    for step in range(start, spec.total if end is None else end):
         epoch, in_epoch = divmod(step, per_epoch)
         if order is None or order[0] != epoch:
             order = (epoch, epoch_order(task.n_train, gb, spec.seed, epoch))
         yield step, epoch, task.batch(rank_share(order[1][in_epoch], spec.rank, spec.world), step, epoch)
+
+
+def phased_batches(task: TrainTask, spec: LoopSpec, start: int,
+                   on_phase: Callable[[int], None]) -> Iterator[tuple[int, int, Any]]:
+    """`step_batches` from `start` to spec.total, prefetched `spec.prefetch` ahead within each phase: at a phase
+    boundary s the previous phase's prefetcher has ended (it builds nothing past s - 1), `on_phase(s)` runs on
+    the consumer's thread once step s - 1 is done, then a fresh prefetcher builds from s. Closing this generator
+    closes the running prefetcher."""
+    cuts = {s for s in task.phase_steps() if start <= s < spec.total}  # a run resumed at a boundary enters it too
+    points = sorted(cuts | {start})  # each phase once, even when it starts at `start`
+    for lo, hi in zip(points, [*points[1:], spec.total]):
+        if lo in cuts:
+            on_phase(lo)
+        it = Prefetcher(step_batches(task, spec, lo, hi), depth=spec.prefetch)
+        try:
+            yield from it
+        finally:
+            it.close()
 
 
 class Throughput:
@@ -237,7 +272,7 @@ def _cpu_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def _restore(spec: LoopSpec, res: LoopResult, opt: torch.optim.Optimizer, sched: Any) -> None:
+def _restore(task: TrainTask, spec: LoopSpec, res: LoopResult, opt: torch.optim.Optimizer, sched: Any) -> None:
     """Continue from the newest checkpoint whose resume key matches (all ranks read it; rank 0 keeps the best
     weights it carries). A checkpoint of an older version without `best_model` takes best.pt's, if its key matches."""
     payload = load_latest(spec.ckpt_dir, spec.resume_key) if spec.ckpt_dir is not None else None
@@ -248,12 +283,14 @@ def _restore(spec: LoopSpec, res: LoopResult, opt: torch.optim.Optimizer, sched:
     sched.load_state_dict(payload["scheduler"])
     res.step = res.resumed_from = payload["step"]
     res.history, res.evals, res.best = payload["history"], payload["evals"], payload["best"]
+    res.phases = list(payload.get("phases", []))  # absent in checkpoints written before phases existed
     if spec.rank == 0 and res.best is not None:
         res.best_state = payload.get("best_model")
         if res.best_state is None and spec.ckpt_dir is not None:
             old = load_best(spec.ckpt_dir)
             res.best_state = old["model"] if old is not None and old.get("resume_key") == spec.resume_key else None
     set_rng_state(payload["rng"])
+    task.restore_extra(payload)
 
 
 def run(task: TrainTask, spec: LoopSpec) -> LoopResult:
@@ -268,7 +305,7 @@ def run(task: TrainTask, spec: LoopSpec) -> LoopResult:
                             fused=spec.device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, spec.warmup_ratio, spec.min_lr_ratio))
     res = LoopResult(model, [], [], None, None, 0, total)
-    _restore(spec, res, opt, sched)
+    _restore(task, spec, res, opt, sched)
     if world > 1:  # every rank starts from rank 0's weights (equal already: built from one seed; this guards it)
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
@@ -279,7 +316,8 @@ def run(task: TrainTask, spec: LoopSpec) -> LoopResult:
         save_checkpoint_rank0(spec.ckpt_dir, res.step, lambda: {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
             "step": res.step, "history": res.history, "evals": res.evals, "best": res.best,
-            "best_model": res.best_state, "rng": rng_state(), "resume_key": spec.resume_key, **task.checkpoint_extra(),
+            "best_model": res.best_state, "rng": rng_state(), "resume_key": spec.resume_key, "phases": res.phases,
+            **task.checkpoint_extra(),
         }, keep=spec.keep_checkpoints, rank=spec.rank, world=world)  # fmt: skip
 
     def validate() -> None:
@@ -299,11 +337,21 @@ def run(task: TrainTask, spec: LoopSpec) -> LoopResult:
         if rank0:
             log.info("%s step %d: %s %.3f", task.name, res.step, task.select, metrics[task.select])
 
+    def enter_phase(step: int) -> None:
+        metrics = task.enter_phase(step)
+        model.train()  # whatever the task ran (eval mode, no grad), training continues in train mode
+        res.phases.append({"step": step, **metrics})
+        if rank0 and spec.logger is not None and metrics:
+            spec.logger.log_metrics(metrics, step=step)
+        if rank0:
+            log.info("%s step %d: phase %s", task.name, step, metrics)
+        speed.begin_step()  # the phase's work is outside the step times, like evals
+
     model.train()
     t0 = time.perf_counter()
-    it = Prefetcher(step_batches(task, spec, res.step), depth=spec.prefetch)
     bar = tqdm(total=total, initial=res.step, disable=not rank0, desc=task.name, unit="step")
     speed = Throughput(res.step)
+    it = phased_batches(task, spec, res.step, enter_phase)
     try:
         for step_index, epoch, batch in it:
             pending = task.forward(batch)

@@ -17,4 +17,5 @@ MTP_KEYS = ("train.mtp_steps", "train.mtp_batch_seqs", "train.mtp_lr", "train.mt
 BLOCK_TRAIN_KEYS = ("train.epochs", "train.max_steps", "train.lr", "train.min_lr_ratio", "train.weight_decay",
                     "train.betas", "train.num_anchors", "train.loss_gamma", "train.batch_seqs", "train.init_from_target",
                     "train.init_layers", "train.eval_every", "train.val_num_anchors", "train.loss_vocab_chunk",
-                    "train.init_from", "train.confidence_loss_weight")
+                    "train.init_from", "train.confidence_loss_weight", "train.replay_from", "train.replay_share",
+                    "train.replay_rows")
