@@ -95,6 +95,12 @@ def block_losses(
     return BlockOutputs(weighted, wv.sum().detach(), correct.view(S, N, B), valid)
 
 
+def accepted_prefix(ok: torch.Tensor, first_slot: int = 1) -> torch.Tensor:
+    """(..., B) bool per slot → (...) int64: the length of the prefix of slots first_slot.. that are all True (a
+    block's accepted drafts when `ok` is argmax == data; its checkable drafts when `ok` is valid)."""
+    return torch.cumprod(ok[..., first_slot:].long(), dim=-1).sum(-1)
+
+
 def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor, first_slot: int = 1) -> torch.Tensor:
     """Sums for per-slot accuracy and simulated acceptance, as one vector (all-reducible).
 
@@ -104,7 +110,7 @@ def slot_stats(out: BlockOutputs, anchor_real: torch.Tensor, first_slot: int = 1
     """
     correct_per_slot = out.correct.sum(dim=(0, 1)).float()  # (B,)
     valid_per_slot = out.valid.sum(dim=(0, 1)).float()
-    prefix = torch.cumprod(out.correct[..., first_slot:].long(), dim=-1).sum(-1).float()  # (S, N)
+    prefix = accepted_prefix(out.correct, first_slot).float()  # (S, N)
     accepted = (prefix * anchor_real).sum().reshape(1)
     blocks = anchor_real.sum().float().reshape(1)
     return torch.cat([correct_per_slot, valid_per_slot, accepted, blocks])

@@ -28,7 +28,7 @@ from draftforge.train.data import (
     draw_anchors,
     truncate,
 )
-from draftforge.train.loss import BlockOutputs
+from draftforge.train.loss import BlockOutputs, accepted_prefix
 from draftforge.train.trainer import all_reduce
 
 # A no-grad block forward of a collated batch (the train task's, in its compute dtype and on its device).
@@ -64,10 +64,8 @@ def accepted_lengths(score: Score, item: SeqTuple, block_size: int, mask_token_i
         batch = collate([item], [anchors], block_size, mask_token_id, dtype, first_slot, pred_offset)
         out = score(batch)
         n = anchors.numel()
-        correct = out.correct[0, :n, first_slot:].cpu().long()  # (n, n_draft); False at invalid slots
-        valid = batch.valid[0, :n, first_slot:].long()
-        acc.append(torch.cumprod(correct, dim=-1).sum(-1))  # as loss.slot_stats' prefix
-        room.append(torch.cumprod(valid, dim=-1).sum(-1))
+        acc.append(accepted_prefix(out.correct[0, :n].cpu(), first_slot))  # (n,) as val_sim_tau's; False at invalid slots
+        room.append(accepted_prefix(batch.valid[0, :n], first_slot))  # (n,)
     empty = torch.zeros(0, dtype=torch.long)
     return Accepted(cand, torch.cat(acc) if acc else empty, torch.cat(room) if room else empty)
 
