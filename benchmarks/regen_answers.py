@@ -3,8 +3,8 @@
 Curate regenerates each row's last assistant turn with the target (greedy) up to
 `curate.regenerate.max_new_tokens` (64 on the default world, where most answers are cut). This script keeps each
 row's prompt tokens (everything before its first supervised token) and greedily regenerates the answer with the
-converted target through transformers on one device, up to --max-new tokens, ending at the chat's end-of-turn
-token as curate does. It writes train-/val-00000.parquet in curate's row format (input_ids, loss_mask: 1 on the
+converted target through curate's own `hf` backend (draftforge.curate.regenerate.HFBackend) on one device, up to
+--max-new tokens, ending at the chat's end-of-turn tokens as curate does. It writes train-/val-00000.parquet in curate's row format (input_ids, loss_mask: 1 on the
 answer and its end-of-turn token), which `benchmarks/train_curve.py --curate` reads. It is a measurement tool:
 the pipeline's way to get longer answers is `curate.regenerate.max_new_tokens`.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -24,33 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
 
 def prompt_len(mask: list[int]) -> int:
     """Tokens before the first supervised one (the prompt, up to and including the assistant header)."""
     return mask.index(1) if 1 in mask else len(mask)
-
-
-@torch.no_grad()
-def regenerate(model, prompts: list[list[int]], max_new: int, eos_id: int, pad_id: int, batch: int,
-               device: torch.device) -> list[list[int]]:
-    """Greedy answers (ids, ending at eos_id when it came) for each prompt; batches of similar length, left-padded."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), batch):
-        idx = order[start : start + batch]
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            attn[r, width - len(prompts[i]) :] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)[:, width:].cpu()  # (b, ≤ max_new)
-        for r, i in enumerate(idx):
-            row = gen[r].tolist()
-            out[i] = row[: row.index(eos_id) + 1] if eos_id in row else row
-        print(f"  rows {start + len(idx)}/{len(order)}", flush=True)
-    return out
 
 
 def main() -> None:
@@ -65,11 +45,17 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftforge.curate.config import RegenerateConfig
+    from draftforge.curate.regenerate import HFBackend
+    from draftforge.curate.tokenize import end_of_turn_ids
+
     device = torch.device(args.device)
     tok = AutoTokenizer.from_pretrained(args.hf_dir)
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")  # the end-of-turn token a finished answer is stored with
     newline = tok.encode("\n", add_special_tokens=False)
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).to(device).eval()
+    backend = HFBackend(model, tok, RegenerateConfig(backend="hf", max_new_tokens=args.max_new, batch_size=args.batch),
+                        end_of_turn_ids(tok, [eos_id]))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {}
     for split in ("train", "val"):
@@ -80,7 +66,8 @@ def main() -> None:
         cuts = [prompt_len(m) for m in rows["loss_mask"]]
         prompts = [ids[:c] for ids, c in zip(rows["input_ids"], cuts)]
         t0 = time.perf_counter()
-        answers = regenerate(model, prompts, args.max_new, eos_id, tok.pad_token_id or 0, args.batch, device)
+        gens = backend.generate(prompts, [0] * len(prompts))  # greedy: the seeds are unused
+        answers = [g.token_ids + ([eos_id] if g.finished else []) for g in gens]
         seconds = time.perf_counter() - t0
         stored = [ids[c:] for ids, c in zip(rows["input_ids"], cuts)]
         same_start = sum(a[: min(len(a), len(s), 64)] == s[: min(len(a), len(s), 64)] for a, s in zip(answers, stored))
