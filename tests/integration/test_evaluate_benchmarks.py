@@ -30,4 +30,10 @@ def test_engine_tree_tiny(tmp_path):
         assert set(rows) == {("dflash", 15), ("ddtree", 16)}  # block 16: 15 drafts
         for r in rows.values():
             assert r["verify_ms"] > 0 and r["round_ms"] >= r["verify_ms"] and 0 <= r["overhead_pct"] < 100
-    assert all(0 < s["gdn_share"] < 1 for s in report["engines"]["captured"]["gdn_share"])
+    # The GDN share is a difference of two separately timed verifies: under load it can read ≤ 0, so only its
+    # structure is pinned here (speed belongs to the benchmark, docs/benchmarks.md).
+    shares = report["engines"]["captured"]["gdn_share"]
+    assert [s["budget"] for s in shares] == [0, 16]
+    for s in shares:
+        assert s["verify_ms"] > 0 and s["without_gdn_ms"] > 0
+        assert s["gdn_share"] == pytest.approx(1 - s["without_gdn_ms"] / s["verify_ms"])
