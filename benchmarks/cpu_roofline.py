@@ -45,7 +45,7 @@ from draftforge.engine.target import forward  # noqa: E402
 from draftforge.target.random import build_random_model  # noqa: E402
 from draftforge.train.loop import cpu_has_fast_bf16  # noqa: E402
 
-SIZES = (1, 2, 4, 8, 16, 17, 32, 65)
+SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 65)
 
 
 def timed(fn, reps: int, warm: int = 2) -> float:
@@ -134,11 +134,17 @@ def dspark_of(d: DFlashDrafter) -> DFlashDrafter:
 
 
 def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
+    return timed(verify_probe(tm, prompt, n), reps)
+
+
+def verify_probe(tm, prompt: list[int], n: int):
+    """→ a call that verifies an n-node tree (a 1-token chain for n = 1) after the prompt, uncommitted."""
     ids = torch.tensor([prompt])
     state = TargetState(tm, len(prompt) + 80)
     forward(tm, state, chain_span(ids, 0, tm.dtype, commit_all=True))
     tree = probe_tree(n, 15)
 
+    @torch.no_grad()  # as the engine's loops: a weight that requires grad would leave its packed path
     def one() -> None:
         if n == 1:
             span = chain_span(ids[:, :1], state.length, tm.dtype, commit_all=False)
@@ -147,10 +153,15 @@ def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
         h, _ = forward(tm, state, span, want_taps=True)
         tm.lm_head(h[0]).argmax(-1).tolist()
 
-    return timed(one, reps)
+    return one
 
 
 def measure_draft(tm, d, prompt_len: int, reps: int) -> float:
+    return timed(draft_probe(tm, d, prompt_len), reps)
+
+
+def draft_probe(tm, d, prompt_len: int):
+    """→ a call that runs one round's block pass: 2 newly committed context rows, then the block."""
     ctx = DrafterContext(d, tm)
     feats = torch.randn(1, prompt_len, d.cfg.feature_dim)
     ctx.add(feats)
@@ -162,7 +173,7 @@ def measure_draft(tm, d, prompt_len: int, reps: int) -> float:
         ctx.add(new)
         ctx.block_logits(5, prompt_len)
 
-    return timed(one, reps)
+    return one
 
 
 def main() -> None:
@@ -178,6 +189,9 @@ def main() -> None:
                     help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
     ap.add_argument("--compare-unpacked", action="store_true",
                     help="also time verify(n) and the drafter pass with every Linear on F.linear (no oneDNN packing)")
+    ap.add_argument("--compare-skinny", action="store_true",
+                    help="also time verify(n ≤ 16), the drafter pass and the rounds with the W·xᵀ products on oneDNN (the "
+                         "skinny path off, engine/cpu_linear.py)")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
@@ -218,6 +232,8 @@ def main() -> None:
             rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
     if args.compare_unpacked:  # the same probes with F.linear (MKL), interleaved after the packed ones
         rec["unpacked"] = unpacked(tm, d, prompt, args)
+    if args.compare_skinny:
+        rec["skinny_off"] = skinny_off(tm, drafters[-1][1], prompt, args, ar_ms)
     write_record("cpu_roofline", rec)
     c = rec["ceilings"]
     print(f"read {c['read_bytes_per_s'] / 1e9:.1f} GB/s  copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s  "
@@ -234,6 +250,12 @@ def main() -> None:
         floor = f"{r['floor_ms']:8.1f} {r['over_floor']:7.2f}" if "floor_ms" in r else f"{'':>8} {'':>7}"
         print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
+    if "skinny_off" in rec:
+        so = rec["skinny_off"]
+        print("skinny path off (W·xᵀ rows on oneDNN), ms (÷ the same probe with it on): "
+              + "  ".join(f"v{r['n']} {r['ms']:.1f} ({r['over_on']:.2f})" for r in so["verify"])
+              + "  " + "  ".join(f"{r['method']}{'-' + str(r['budget']) if r['budget'] else ''} round {r['round_ms']:.1f} "
+                               f"({r['over_on']:.2f})" for r in so["rounds"]))
     if "unpacked" in rec:
         u = rec["unpacked"]
         print("F.linear (unpacked) ms: " + "  ".join(f"v{n} {ms:.1f}" for n, ms in u["verify"].items())
@@ -254,6 +276,43 @@ def unpacked(tm, d, prompt: list[int], args) -> dict:
     finally:
         for m, f in zip(lins, saved):
             m.forward = f
+    return out
+
+
+def skinny_off(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
+    """verify(n ≤ 16), the drafter's pass and the rounds with the skinny path on and off (SKINNY_ROWS = 0), the two
+    alternating call by call (verify) or run by run (rounds) so host noise hits both alike; min of each."""
+    from draftforge.engine import cpu_linear
+
+    keep = cpu_linear.SKINNY_ROWS
+    out: dict = {"verify": [], "rounds": []}
+    n_tok = args.rounds + 4
+    methods = [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
+    probes = [(n, verify_probe(tm, prompt, n)) for n in SIZES if n <= 16] + [("draft", draft_probe(tm, d, args.prompt_len))]
+    try:
+        for n, one in probes:
+            times: dict[int, list[float]] = {keep: [], 0: []}
+            for i in range(2 * (args.reps + 2)):
+                rows = (keep, 0)[i % 2]
+                cpu_linear.SKINNY_ROWS = rows
+                t0 = time.perf_counter()
+                one()
+                times[rows].append(1e3 * (time.perf_counter() - t0))
+            on, off = min(times[keep][1:]), min(times[0][1:])  # the first call of each: warm-up
+            out["verify"].append({"n": n, "ms": off, "on_ms": on, "over_on": off / on})
+        for name, b in methods:
+            rounds: dict[int, list[float]] = {keep: [], 0: []}
+            for i in range(6):
+                rows = (keep, 0)[i % 2]
+                cpu_linear.SKINNY_ROWS = rows
+                if i < 2:
+                    generate(tm, make_method(name, tm, d, b), prompt, 4)  # warm-up
+                rounds[rows].append(round_times(generate(tm, make_method(name, tm, d, b), prompt, n_tok), 1)["round_ms"])
+            on, off = min(rounds[keep]), min(rounds[0])
+            out["rounds"].append({"method": name, "budget": b, "round_ms": off, "on_ms": on, "over_on": off / on,
+                                  "over_ar": off / ar_ms})  # fmt: skip
+    finally:
+        cpu_linear.SKINNY_ROWS = keep
     return out
 
 

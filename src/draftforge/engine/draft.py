@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from draftforge.drafter.inference import DraftKV
 from draftforge.drafter.vocab import to_target_logits
+from draftforge.engine import cpu_linear
 from draftforge.engine.capture import align, capture_graph
-from draftforge.engine.cpu_linear import pack_linears
 from draftforge.engine.state import CapacityError
 
 INITIAL_ROWS = 256  # eager context cache rows before the first doubling
@@ -51,7 +50,7 @@ class DrafterContext:
         if tuple(cfg.target_layer_ids) != tm.tap_ids:
             raise ValueError(f"drafter taps {cfg.target_layer_ids} != target wrapper taps {list(tm.tap_ids)}")
         if isinstance(drafter, torch.nn.Module):
-            pack_linears(drafter)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py)
+            cpu_linear.pack_linears(drafter)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py)
         self.drafter, self.tm, self.static = drafter, tm, static
         self.block, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.first_slot, self.n_draft = cfg.first_slot, cfg.n_draft  # asked of the drafter, never derived here
@@ -110,7 +109,7 @@ class DrafterContext:
             logits = self.tm.lm_head(hs.to(self.tm.dtype))
             return logits if out is None else out.copy_(logits)
         head = self.drafter.draft_head
-        rows = F.linear(hs.to(head.dtype), head).to(self.tm.dtype)  # (n, D)
+        rows = cpu_linear.linear(hs.to(head.dtype), head).to(self.tm.dtype)  # (n, D)
         if out is None:
             return to_target_logits(rows, self.draft_ids, self.tm.vocab_size)
         return out.index_copy_(1, self.draft_ids, rows)
@@ -129,8 +128,10 @@ class DrafterContext:
         self.graph = capture_graph(self._static_step, pool)
 
     @torch.no_grad()
-    def block_logits(self, bonus: int, start: int) -> torch.Tensor:
-        """(n_draft, V) logits of the predicting slots (depths 1..n_draft) of one block pass at `start`."""
+    def block_logits(self, bonus: int, start: int, depths: int | None = None) -> torch.Tensor:
+        """(d, V) logits of the predicting slots at depths 1..d of one block pass at `start`, d = min(depths,
+        n_draft) (all n_draft when None). The block pass itself always runs over every slot (its slots attend to
+        each other), so the rows returned do not depend on `depths`; eagerly only those rows reach the LM head."""
         n_new = 0 if self.pending is None else self.pending.shape[1]
         if self.length + n_new != start:
             raise ValueError(f"drafter context: cache holds {self.length} positions + {n_new} new != start {start}")
@@ -139,7 +140,7 @@ class DrafterContext:
             raise CapacityError(f"captured engine: drafter block at {start} exceeds its capacity {self.cache.capacity}")
         if self.static is None or n_new > B:
             h = self._eager(bonus, start, n_new)
-            out = self._logits(h[0, self.first_slot :])
+            out = self._logits(h[0, self.first_slot :][:depths])
         else:
             if n_new:
                 self.feats[:, :n_new].copy_(self.pending)
@@ -152,6 +153,6 @@ class DrafterContext:
                 self.graph.replay()
             else:
                 self._static_step()
-            out = self.logits.clone()
+            out = self.logits[:depths].clone()
         self.pending, self.length = None, start  # context only: committed positions 0..start−1
         return out

@@ -103,6 +103,9 @@ class DDTree(DFlashChain):
         super().__init__(tm, drafter)
         self.verify_size = 1 + self.budget
 
+    def draft(self, bonus: int, start: int) -> torch.Tensor:
+        return self.ctx.block_logits(bonus, start, depths=self.budget)  # a tree of `budget` nodes is no deeper
+
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
         logp, toks = draft_topk(drafted, min(self.budget, drafted.shape[-1]))
         return build_tree(bonus, logp, toks, self.budget)
