@@ -54,7 +54,7 @@ def test_weight_left_rows_and_leading_dims():
     x = torch.randn(2, 8, 64)  # 16 rows over two leading dims: the W·xᵀ path keeps the leading shape
     with torch.no_grad():
         y = lin(x)
-    assert y.shape == (2, 8, PACK_MIN // 64 + 1) and y.is_contiguous()
+    assert y.shape == (2, 8, PACK_MIN // 64 + 1)
     torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 

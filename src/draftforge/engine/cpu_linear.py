@@ -47,7 +47,7 @@ def _weight_left(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()  # (M, N) from (N, K)·(K, M)
     if bias is not None:
         y = y + bias
-    return y.contiguous().reshape(*x.shape[:-1], y.shape[-1])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
