@@ -19,6 +19,7 @@ Writes $OUT/cpu_roofline.json when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ from engine_tree import probe_tree, round_times, step_bytes, target_spec  # noqa
 
 from draftforge.drafter.config import DFlashConfig  # noqa: E402
 from draftforge.drafter.model import DFlashDrafter  # noqa: E402
-from draftforge.engine import generate, make_method, wrap_target  # noqa: E402
+from draftforge.engine import cpu_linear, generate, make_method, wrap_target  # noqa: E402
 from draftforge.engine.draft import DrafterContext  # noqa: E402
 from draftforge.engine.span import chain_span, tree_span  # noqa: E402
 from draftforge.engine.state import TargetState  # noqa: E402
@@ -187,11 +188,9 @@ def main() -> None:
                     help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
-    ap.add_argument("--compare-unpacked", action="store_true",
-                    help="also time verify(n) and the drafter pass with every Linear on F.linear (no oneDNN packing)")
-    ap.add_argument("--compare-skinny", action="store_true",
-                    help="also time verify(n ≤ 16), the drafter pass and the rounds with the W·xᵀ products on oneDNN (the "
-                         "skinny path off, engine/cpu_linear.py)")
+    ap.add_argument("--compare-routes", action="store_true",
+                    help="also time verify(n ≤ 17), the drafter pass and the rounds under the former fixed rule of "
+                         "engine/cpu_linear.py, alternating with the tuned routes")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
@@ -230,10 +229,9 @@ def main() -> None:
             generate(tm, make_method(name, tm, ds, b), prompt, 4)  # warm-up
             rt = round_times(generate(tm, make_method(name, tm, ds, b), prompt, n_tok), 1)
             rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
-    if args.compare_unpacked:  # the same probes with F.linear (MKL), interleaved after the packed ones
-        rec["unpacked"] = unpacked(tm, d, prompt, args)
-    if args.compare_skinny:
-        rec["skinny_off"] = skinny_off(tm, drafters[-1][1], prompt, args, ar_ms)
+    if args.compare_routes:
+        rec["routes_ab"] = routes_ab(tm, drafters[-1][1], prompt, args, ar_ms)
+    rec["tuned_routes"] = cpu_linear.tuned_routes()
     write_record("cpu_roofline", rec)
     c = rec["ceilings"]
     print(f"read {c['read_bytes_per_s'] / 1e9:.1f} GB/s  copy {c['copy_bytes_per_s'] / 1e9:.1f} GB/s  "
@@ -250,69 +248,53 @@ def main() -> None:
         floor = f"{r['floor_ms']:8.1f} {r['over_floor']:7.2f}" if "floor_ms" in r else f"{'':>8} {'':>7}"
         print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
-    if "skinny_off" in rec:
-        so = rec["skinny_off"]
-        print("skinny path off (W·xᵀ rows on oneDNN), ms (÷ the same probe with it on): "
-              + "  ".join(f"v{r['n']} {r['ms']:.1f} ({r['over_on']:.2f})" for r in so["verify"])
-              + "  " + "  ".join(f"{r['method']}{'-' + str(r['budget']) if r['budget'] else ''} round {r['round_ms']:.1f} "
-                               f"({r['over_on']:.2f})" for r in so["rounds"]))
-    if "unpacked" in rec:
-        u = rec["unpacked"]
-        print("F.linear (unpacked) ms: " + "  ".join(f"v{n} {ms:.1f}" for n, ms in u["verify"].items())
-              + f"  draft {u['draft_ms']:.1f}")
+    if "routes_ab" in rec:
+        ab = rec["routes_ab"]
+        print("tuned routes (auto) vs the fixed rule, min ms auto / fixed (fixed ÷ auto):")
+        print("  " + "  ".join(f"{'v' + str(r['n']) if r['n'] != 'draft' else 'draft'} {r['auto_ms']:.1f} / {r['fixed_ms']:.1f} "
+                               f"({r['fixed_over_auto']:.2f})" for r in ab["probes"]))
+        print("  " + "  ".join(f"{r['method']}{'-' + str(r['budget']) if r['budget'] else ''} {r['auto_ms']:.1f} / "
+                               f"{r['fixed_ms']:.1f} ({r['fixed_over_auto']:.2f})" for r in ab["rounds"]))
+    print("routes chosen: " + "; ".join(f"{shape}: " + " ".join(f"{rows}→{v['route']}" for rows, v in per.items())
+                                        for shape, per in rec["tuned_routes"].items()))
 
 
-def unpacked(tm, d, prompt: list[int], args) -> dict:
-    """verify(n) and the drafter pass with the packed forwards swapped for F.linear, then swapped back."""
-    import torch.nn.functional as F
-
-    lins = [m for m in [*tm.hf.modules(), *d.modules()] if isinstance(m, torch.nn.Linear)]
-    saved = [m.forward for m in lins]
-    for m in lins:
-        m.forward = lambda x, m=m: F.linear(x, m.weight, m.bias)
-    try:
-        out = {"verify": {n: 1e3 * measure_verify(tm, prompt, n, args.reps) for n in SIZES},
-               "draft_ms": 1e3 * measure_draft(tm, d, args.prompt_len, args.reps)}
-    finally:
-        for m, f in zip(lins, saved):
-            m.forward = f
-    return out
-
-
-def skinny_off(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
-    """verify(n ≤ 16), the drafter's pass and the rounds with the skinny path on and off (SKINNY_ROWS = 0), the two
-    alternating call by call (verify) or run by run (rounds) so host noise hits both alike; min of each."""
-    from draftforge.engine import cpu_linear
-
-    keep = cpu_linear.SKINNY_ROWS
-    out: dict = {"verify": [], "rounds": []}
+def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
+    """verify(n ≤ 17), the drafter's pass and the rounds under the tuned routes (DRAFTFORGE_CPU_LINEAR=auto) and
+    under the former fixed rule, the two alternating call by call (probes) or run by run (rounds) so host noise
+    hits both alike; min of each. ÷ = fixed ÷ auto (> 1: the tuned routes are faster)."""
+    keep = os.environ.get("DRAFTFORGE_CPU_LINEAR")
+    out: dict = {"probes": [], "rounds": []}
     n_tok = args.rounds + 4
     methods = [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
-    probes = [(n, verify_probe(tm, prompt, n)) for n in SIZES if n <= 16] + [("draft", draft_probe(tm, d, args.prompt_len))]
+    probes = [(n, verify_probe(tm, prompt, n)) for n in SIZES if n <= 17] + [("draft", draft_probe(tm, d, args.prompt_len))]
     try:
         for n, one in probes:
-            times: dict[int, list[float]] = {keep: [], 0: []}
+            times: dict[str, list[float]] = {"auto": [], "fixed": []}
             for i in range(2 * (args.reps + 2)):
-                rows = (keep, 0)[i % 2]
-                cpu_linear.SKINNY_ROWS = rows
+                pol = ("auto", "fixed")[i % 2]
+                os.environ["DRAFTFORGE_CPU_LINEAR"] = pol
                 t0 = time.perf_counter()
                 one()
-                times[rows].append(1e3 * (time.perf_counter() - t0))
-            on, off = min(times[keep][1:]), min(times[0][1:])  # the first call of each: warm-up
-            out["verify"].append({"n": n, "ms": off, "on_ms": on, "over_on": off / on})
+                times[pol].append(1e3 * (time.perf_counter() - t0))
+            auto, fixed = min(times["auto"][1:]), min(times["fixed"][1:])  # the first call of each: warm-up, tuning
+            out["probes"].append({"n": n, "auto_ms": auto, "fixed_ms": fixed, "fixed_over_auto": fixed / auto})
         for name, b in methods:
-            rounds: dict[int, list[float]] = {keep: [], 0: []}
+            rounds: dict[str, list[float]] = {"auto": [], "fixed": []}
             for i in range(6):
-                rows = (keep, 0)[i % 2]
-                cpu_linear.SKINNY_ROWS = rows
+                pol = ("auto", "fixed")[i % 2]
+                os.environ["DRAFTFORGE_CPU_LINEAR"] = pol
                 if i < 2:
                     generate(tm, make_method(name, tm, d, b), prompt, 4)  # warm-up
-                rounds[rows].append(round_times(generate(tm, make_method(name, tm, d, b), prompt, n_tok), 1)["round_ms"])
-            on, off = min(rounds[keep]), min(rounds[0])
-            out["rounds"].append({"method": name, "budget": b, "round_ms": off, "on_ms": on, "over_on": off / on,
-                                  "over_ar": off / ar_ms})  # fmt: skip
+                rounds[pol].append(round_times(generate(tm, make_method(name, tm, d, b), prompt, n_tok), 1)["round_ms"])
+            auto, fixed = min(rounds["auto"]), min(rounds["fixed"])
+            out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, "fixed_ms": fixed,
+                                  "fixed_over_auto": fixed / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip
     finally:
-        cpu_linear.SKINNY_ROWS = keep
+        if keep is None:
+            os.environ.pop("DRAFTFORGE_CPU_LINEAR", None)
+        else:
+            os.environ["DRAFTFORGE_CPU_LINEAR"] = keep
     return out
 
 

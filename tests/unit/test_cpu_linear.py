@@ -1,5 +1,5 @@
-"""engine/cpu_linear.py: prepacked oneDNN linears compute F.linear's function, never read a stale weight, and
-leave autograd to F.linear."""
+"""engine/cpu_linear.py: every route computes F.linear's function, a packed copy is never stale, autograd and
+unregistered weights stay on F.linear, and the tuner's choice is measured once per (shape, rows) and kept."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine.cpu_linear import PACK_MIN, SMALL_WEIGHT, linear, pack_linears, weight_left
+from draftforge.engine import cpu_linear
+from draftforge.engine.cpu_linear import PACK_MIN, ROUTES, linear, pack_linears, register, route_for
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -18,25 +19,58 @@ def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 16, 17, 32])  # GEMV, W·xᵀ (2-5, 16, 32), oneDNN (6, 17)
+@pytest.mark.parametrize("policy", [*ROUTES, "fixed", "auto"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_f_linear_and_is_repacked_after_a_weight_change(rows, bias):
-    big = _lin(SMALL_WEIGHT // 64 + 1, 64, bias)  # one row through a large weight also goes through oneDNN
-    small = _lin(PACK_MIN // 64 + 1, 64, bias)  # packed; one row stays on F.linear
-    for lin in (big, small):
-        assert pack_linears(lin) == 1 and pack_linears(lin) == 0  # idempotent
-        x = torch.randn(1, rows, 64)
-        with torch.no_grad():
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-            lin.weight.mul_(-2.0)  # in place, as an optimizer step: the packed copy must not be read
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-            lin.load_state_dict({k: v * 0.5 for k, v in lin.state_dict().items()})
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+def test_every_route_is_f_linear_and_never_reads_a_stale_copy(monkeypatch, policy, rows, bias):
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", policy)
+    lin = _lin(PACK_MIN // 64 + 1, 64, bias)
+    assert pack_linears(lin) == 1 and pack_linears(lin) == 0  # idempotent
+    x = torch.randn(1, rows, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(-2.0)  # in place, as an optimizer step: a packed copy must not be read
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.load_state_dict({k: v * 0.5 for k, v in lin.state_dict().items()})
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    if policy in ROUTES:
+        assert route_for(lin.weight, rows) == policy
 
 
-def test_a_tiny_weight_is_left_on_f_linear():
+def test_the_tuner_measures_once_per_shape_and_rows(monkeypatch):
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "auto")
+    lins = [_lin(PACK_MIN // 48 + 7, 48, False) for _ in range(3)]  # one group: a shape of their own
+    for lin in lins:
+        pack_linears(lin)
+    with torch.no_grad():
+        lins[0](torch.randn(3, 48))
+    picked = cpu_linear.tuned_routes()[f"{PACK_MIN // 48 + 7}x48"]["3"]
+    assert picked["route"] in ROUTES and set(picked["ms"]) == set(ROUTES)
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or "gemv")
+    with torch.no_grad():
+        lins[2](torch.randn(3, 48))  # the same shape and rows: the kept choice, no new timing
+    assert not calls and route_for(lins[1].weight, 3) == picked["route"]
+
+
+def test_a_bad_policy_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "fastest")
+    lin = _lin(PACK_MIN // 64 + 1, 64, False)
+    pack_linears(lin)
+    with torch.no_grad(), pytest.raises(ValueError, match="DRAFTFORGE_CPU_LINEAR='fastest'"):
+        lin(torch.randn(2, 64))
+
+
+def test_tiny_and_unregistered_weights_stay_on_f_linear(monkeypatch):
     tiny = _lin(64, 64, False)
-    assert pack_linears(tiny) == 0 and not hasattr(tiny, "_draftforge_packed")
+    assert pack_linears(tiny) == 0 and not getattr(tiny, "_draftforge_routed", False)
+    assert not register(torch.randn(64, 64)) and not register(torch.randn(PACK_MIN, 2, dtype=torch.float64))
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_run", lambda *a: calls.append(a))
+    w, x = torch.randn(301, 64), torch.randn(4, 64)  # a shape never registered
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
+    assert not calls
 
 
 def test_autograd_goes_through_f_linear():
@@ -47,22 +81,12 @@ def test_autograd_goes_through_f_linear():
     assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, torch.ones(PACK_MIN // 16 + 1, 1) * x.sum(0)[None])
 
 
-def test_weight_left_rows_and_leading_dims():
-    assert [r for r in range(1, 41) if weight_left(r)] == [2, 3, 4, 5, 16, 24, 32, 40]
-    lin = _lin(PACK_MIN // 64 + 1, 64, True)
-    pack_linears(lin)
-    x = torch.randn(2, 8, 64)  # 16 rows over two leading dims: the W·xᵀ path keeps the leading shape
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_a_registered_buffer_weight_routes_with_leading_dims(rows):
+    w = torch.randn(PACK_MIN // 64 + 3, 64)  # a draft-vocabulary head: a buffer, not an nn.Linear
+    assert register(w)
+    x = torch.randn(2, rows, 64)
     with torch.no_grad():
-        y = lin(x)
-    assert y.shape == (2, 8, PACK_MIN // 64 + 1)
-    torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [1, 4, 15, 16])
-def test_linear_for_an_unpacked_weight_is_f_linear(rows):
-    w = torch.randn(300, 64)  # a draft-vocabulary head: a buffer, not an nn.Linear
-    x = torch.randn(rows, 64)
-    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    wg = w.clone().requires_grad_(True)
-    linear(x, wg).sum().backward()  # under autograd: F.linear's graph
-    torch.testing.assert_close(wg.grad, x.sum(0)[None].expand(300, 64))
+        y = linear(x, w)
+    assert y.shape == (2, rows, PACK_MIN // 64 + 3)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ compiled graph serves every layer of one structure. Attention itself and the cac
 the blocks (`target.run_layers`), so a compiled region never functionalises a write to the whole cache.
 A layer's fused weights (`FusedLayer.wqkv` / `wgu`) are views the HF Linear weights also point at
 (`fused.fuse_projections`); None means the HF projections run one by one — the same function either way.
+Fused products go through `cpu_linear.linear` (F.linear itself off the CPU and under torch.compile).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftforge.engine import cpu_linear
 from draftforge.engine.split_attention import combine_splits
 
 
@@ -76,7 +78,7 @@ def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor | None, bqkv:
     if wqkv is None:
         qg, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
-        qg, k, v = F.linear(x, wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
+        qg, k, v = cpu_linear.linear(x, wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
     return split_heads(attn, qg, k, v, cos, sin, n_heads, n_kv, hd, qk_norm, gated)
 
 
@@ -87,7 +89,7 @@ def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> to
     if wgu is None:
         out = m(x)
         return h + (out[0] if isinstance(out, tuple) else out)  # some MoE blocks also return router logits
-    g, u = F.linear(x, wgu).chunk(2, dim=-1)
+    g, u = cpu_linear.linear(x, wgu).chunk(2, dim=-1)
     return h + m.down_proj(m.act_fn(g) * u)
 
 

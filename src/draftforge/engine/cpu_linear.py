@@ -1,99 +1,173 @@
-"""CPU decoding: every Linear of a model computes through oneDNN with its weight prepacked once.
+"""CPU decoding: each product x·Wᵀ of the engine takes the fastest of three routes for its weight's shape and
+its row count, measured on this machine the first time that pair occurs.
 
-On the 2-core AVX2 machine the default world runs on, `F.linear` (MKL sgemm) is far from the memory
-roofline at the row counts decoding uses: a verify of 2–17 rows costs 1.7–5× one row, and the 49K × 576
-LM head over 17 rows 5× its one-row time. oneDNN's linear over a weight reordered once into its blocked
-layout stays near the weight-streaming time from 1 to 17 rows (benchmarks/cpu_roofline.py,
-docs/benchmarks.md "CPU roofline"); for one row through a small weight (a layer's projection in an AR
-step) MKL's GEMV is quicker than oneDNN's call, so that case keeps F.linear. Through a small weight, MKL's GEMM
-with the weight as the left operand, W·xᵀ, beats both at 2–5 rows (a verify of a small tree: about one row's
-time, where oneDNN costs 1.2–1.5×) and at multiples of 8 from 16 to 128 rows (the drafter's 16-slot block, a
-chain verify: 1.2–1.4×); at 6–15 and other row counts oneDNN is as fast or faster (docs/benchmarks.md "Skinny
-products on the CPU"). Same function, other rounding: every engine mode calls the same patched modules, so
-eager and static decoding stay equal to each other.
+Routes (all compute F.linear's function; rounding differs):
+  gemv    F.linear (MKL: a GEMV for one row)
+  left    W·xᵀ, MKL's GEMM with the weight as the left operand; the output is a transposed view (no copy)
+  packed  oneDNN over a copy of the weight reordered once into its blocked layout
 
-Invariants: the packed copy is used only without autograd (inference); a weight changed in place after
-packing (an optimizer step, load_state_dict) bumps its version and is repacked on the next call, so a
-stale copy is never read; CUDA or non-fp32 weights are left alone.
+On the 2-core AVX2 machine the default world runs on, no route wins everywhere (docs/benchmarks.md "Skinny
+products on the CPU"): at one row F.linear is quickest through 576 × 576 and oneDNN through the fused 960 × 576
+q/k/v and 3,072 × 576 gate/up weights (1.6×); at 2–5 and 16 rows W·xᵀ costs about one row's time where the
+others cost 1.3–2×; at 17 rows oneDNN leads. So the choice is measured, not written down: a weight's *group* is
+every registered weight of its shape, and a route is timed over as many of them as exceed the caches (a decode
+step streams its weights from memory; one weight timed alone would sit in cache).
+
+Invariants: the engine reaches the routes only without autograd, in fp32 on the CPU, outside torch.compile
+(anything else is F.linear); a packed copy is rebuilt when its weight changed in place (an optimizer step,
+load_state_dict), so a stale copy is never read; the route of a (shape, rows) pair is fixed once chosen, so
+every engine mode in one process computes the same function with the same rounding.
+`DRAFTFORGE_CPU_LINEAR` = auto (default) | fixed (the former rule: F.linear for one row through a weight of
+fewer than 4M values, oneDNN otherwise) | gemv | left | packed — for benchmarks and tests that pin a route.
 """
 
 from __future__ import annotations
 
+import os
+import time
 import types
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_WEIGHT = 1 << 22  # below this many values a one-row product stays on F.linear (oneDNN's call costs more)
-# Below this many values a weight is not packed at all: oneDNN's fixed cost per call exceeds the whole product
-# (a 64 × 64 weight: ~3-10× F.linear's time at 1-17 rows), so only tiny models (the tests' random ones) are left
-# on F.linear; every projection of a real target (SmolLM2-135M's smallest, k/v, is 576 × 192) is packed.
+ROUTES = ("gemv", "left", "packed")
+POLICIES = ("auto", "fixed", *ROUTES)
+# Below this many values a Linear is not registered: oneDNN's fixed cost per call exceeds the whole product, and
+# only tiny models (the tests' random ones) have such weights; SmolLM2-135M's smallest, k/v, is 576 × 192.
 PACK_MIN = 1 << 16
-# Row counts that compute as W·xᵀ through a small weight: 2..SKINNY_ROWS, and multiples of 8 in
-# [16, WIDE_ROWS]. SKINNY_ROWS = 0 turns the path off (benchmarks compare the two).
-SKINNY_ROWS = 5
-WIDE_ROWS = 128
+SMALL_WEIGHT = 1 << 22  # the `fixed` policy's bound for one row on F.linear
+TUNE_MAX_ROWS = 128  # more rows (prefill): oneDNN, untimed
+TUNE_BYTES = 64 << 20  # a route is timed over a group's weights up to this many bytes (beyond the caches)
+TUNE_REPS = 3
 
 
-def weight_left(rows: int) -> bool:
-    """Whether `rows` rows through a small weight compute as W·xᵀ (see the module docstring)."""
-    return SKINNY_ROWS > 0 and (2 <= rows <= SKINNY_ROWS or (rows % 8 == 0 and 16 <= rows <= WIDE_ROWS))
+@dataclass
+class _Group:
+    """The registered weights of one shape (N, K) and the route chosen per row count."""
+
+    weights: list[weakref.ref] = field(default_factory=list)
+    routes: dict[int, str] = field(default_factory=dict)
+    timings: dict[int, dict[str, float]] = field(default_factory=dict)  # rows → route → seconds (for benchmarks)
 
 
-def _weight_left(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, w, bias) as W·xᵀ: x (..., K), w (N, K) → (..., N), contiguous."""
-    rows = x.numel() // x.shape[-1]
-    y = torch.mm(w, x.reshape(rows, x.shape[-1]).t()).t()  # (M, N) from (N, K)·(K, M)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+_groups: dict[tuple[int, int], _Group] = {}
+_packed: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}  # id(weight) → (ref, (ptr, version), copy)
+
+
+def policy() -> str:
+    p = os.environ.get("DRAFTFORGE_CPU_LINEAR", "auto")
+    if p not in POLICIES:
+        raise ValueError(f"DRAFTFORGE_CPU_LINEAR={p!r} is not one of {list(POLICIES)}")
+    return p
+
+
+def register(w: torch.Tensor) -> bool:
+    """Make `w` (N, K) a weight the engine's products may route (fp32, CPU, ≥ PACK_MIN values) → registered."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or w.numel() < PACK_MIN:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    group = _groups.setdefault(tuple(w.shape), _Group())
+    group.weights = [r for r in group.weights if r() is not None]  # models freed since
+    if not any(r() is w for r in group.weights):
+        group.weights.append(weakref.ref(w))
+    return True
+
+
+def _packed_of(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `w`, rebuilt when `w` changed since it was made."""
+    entry = _packed.get(id(w))
+    version = (w.data_ptr(), w._version)
+    if entry is None or entry[0]() is not w or entry[1] != version:
+        if entry is None or entry[0]() is not w:  # the copy dies with its weight
+            weakref.finalize(w, _packed.pop, id(w), None)
+        entry = (weakref.ref(w), version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1))
+        _packed[id(w)] = entry
+    return entry[2]
+
+
+def _run(route: str, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 (M, K) → (M, N) by one route."""
+    if route == "gemv":
+        return F.linear(x2, w, bias)
+    if route == "left":
+        y = torch.mm(w, x2.t()).t()  # (M, N) from (N, K)·(K, M): a transposed view
+        return y if bias is None else y + bias
+    return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _packed_of(w), bias, "none", [], "")
+
+
+def _tune(group: _Group, rows: int, w0: torch.Tensor) -> str:
+    """Time every route over the group's weights (up to TUNE_BYTES; `w0` when none is alive) with `rows` random
+    rows → the fastest."""
+    ws, size = [], 0
+    for ref in group.weights:
+        w = ref()
+        if w is not None and size < TUNE_BYTES:
+            ws.append(w)
+            size += w.numel() * 4
+    ws = ws or [w0]
+    x2 = torch.randn(rows, w0.shape[1])
+    best = dict.fromkeys(ROUTES, float("inf"))
+    for _ in range(TUNE_REPS):  # routes interleaved, so host noise hits each alike; min of the reps
+        for route in ROUTES:
+            t0 = time.perf_counter()
+            for w in ws:
+                _run(route, x2, w, None)
+            best[route] = min(best[route], time.perf_counter() - t0)
+    group.timings[rows] = best
+    return min(best, key=best.get)
+
+
+def route_for(w: torch.Tensor, rows: int) -> str:
+    """The route of `rows` rows through the registered weight `w` under the current policy."""
+    p = policy()
+    if p in ROUTES:
+        return p
+    if p == "fixed":
+        return "gemv" if rows == 1 and w.numel() < SMALL_WEIGHT else "packed"
+    if rows > TUNE_MAX_ROWS:
+        return "packed"
+    group = _groups[tuple(w.shape)]
+    route = group.routes.get(rows)
+    if route is None:
+        route = group.routes[rows] = _tune(group, rows, w)
+    return route
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear's function for a weight that is not an nn.Linear (a drafter's draft-vocabulary head): W·xᵀ at
-    the row counts where MKL runs it faster on the CPU, F.linear otherwise (and under autograd, off the CPU)."""
-    if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.dtype != torch.float32 \
-            or x.device.type != "cpu" or not weight_left(x.numel() // x.shape[-1]):
+    """F.linear(x, w, bias) for x (..., K), w (N, K) → (..., N), by the route chosen for w's shape and x's rows when
+    w is registered and the call is an fp32 CPU product without autograd; F.linear otherwise."""
+    if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.device.type != "cpu" \
+            or x.dtype != torch.float32 or torch.compiler.is_compiling() or tuple(w.shape) not in _groups:
         return F.linear(x, w, bias)
-    return _weight_left(x, w, bias)
-
-
-def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if (torch.is_grad_enabled() and w.requires_grad) or x.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, w, self.bias)
     rows = x.numel() // x.shape[-1]
-    if w.numel() < SMALL_WEIGHT and rows == 1:  # one row, a small weight: MKL's GEMV is quicker
-        return F.linear(x, w, self.bias)
-    if w.numel() < SMALL_WEIGHT and weight_left(rows):
-        return _weight_left(x, w, self.bias)
-    if self._draftforge_packed_version != (w.data_ptr(), w._version):  # changed since packing: repack
-        _pack(self)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
-    y = torch.ops.mkldnn._linear_pointwise(x2, self._draftforge_packed, self.bias, "none", [], "")  # (M, N)
+    y = _run(route_for(w, rows), x.reshape(rows, x.shape[-1]), w, bias)  # (M, N)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-@torch.no_grad()
-def _pack(lin: nn.Linear) -> None:
-    w = lin.weight
-    lin._draftforge_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1)
-    lin._draftforge_packed_version = (w.data_ptr(), w._version)
+def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Route every fp32 CPU nn.Linear of `module` with at least PACK_MIN weights through a prepacked oneDNN
-    weight (idempotent) → how many."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+    """Register every fp32 CPU nn.Linear of `module` with at least PACK_MIN weights and route its forward through
+    `linear` (idempotent) → how many were newly routed. Packed copies are made when a route first needs them."""
     n = 0
     for lin in module.modules():
-        if not isinstance(lin, nn.Linear) or hasattr(lin, "_draftforge_packed"):
+        if not isinstance(lin, nn.Linear) or getattr(lin, "_draftforge_routed", False):
             continue
-        if lin.weight.device.type != "cpu" or lin.weight.dtype != torch.float32 or lin.weight.numel() < PACK_MIN:
+        if not register(lin.weight):
             continue
-        _pack(lin)
-        lin.forward = types.MethodType(_packed_forward, lin)
+        lin.forward = types.MethodType(_routed_forward, lin)
+        lin._draftforge_routed = True
         n += 1
     return n
+
+
+def tuned_routes() -> dict[str, dict[str, object]]:
+    """What the tuner chose and measured so far: "N×K" → {rows: {"route": …, "ms": {route: ms over the group}}}."""
+    return {f"{n}x{k}": {str(r): {"route": g.routes[r], "ms": {k2: 1e3 * v for k2, v in g.timings.get(r, {}).items()}}
+                         for r in sorted(g.routes)} for (n, k), g in _groups.items()}  # fmt: skip

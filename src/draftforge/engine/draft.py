@@ -50,11 +50,13 @@ class DrafterContext:
         if tuple(cfg.target_layer_ids) != tm.tap_ids:
             raise ValueError(f"drafter taps {cfg.target_layer_ids} != target wrapper taps {list(tm.tap_ids)}")
         if isinstance(drafter, torch.nn.Module):
-            cpu_linear.pack_linears(drafter)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py)
+            cpu_linear.pack_linears(drafter)  # CPU: each product on its measured route (engine/cpu_linear.py)
         self.drafter, self.tm, self.static = drafter, tm, static
         self.block, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.first_slot, self.n_draft = cfg.first_slot, cfg.n_draft  # asked of the drafter, never derived here
         self.draft_ids = drafter.draft_ids if cfg.draft_vocab_size else None  # (D,) or None: the whole vocabulary
+        if self.draft_ids is not None:
+            cpu_linear.register(drafter.draft_head)  # a buffer: routed by `_logits`, not by a Linear
         self.pending: torch.Tensor | None = None  # (1, n_new, n_taps·H) positions length..start−1
         self.length = 0  # context positions in the cache
         dev, self.dt = tm.device, drafter.fc.weight.dtype

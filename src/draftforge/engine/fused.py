@@ -6,7 +6,9 @@ norms, rotary, residual adds). At one token per step each costs a few microsecon
 graph (docs/benchmarks.md). So, on top of the same functions the eager engine runs:
 
 - Fused projections: q/k/v and gate/up weights are concatenated once and the HF Linear weights are
-  re-pointed at views of the fused tensor (no second copy; the eager path reads the same storage).
+  re-pointed at views of the fused tensor (no second copy; the eager path reads the same storage). The eager
+  engine fuses a CPU fp32 target's projections too: there one larger product streams faster than two or three
+  (engine/cpu_linear.py).
 - `torch.compile` of the layer blocks (`blocks.py`: qkv, post-attention, split, MLP) and of the drafter's
   block-pass blocks (`drafter/inference.py`), the module passed as an argument so one compiled graph
   serves every layer of one structure (dynamo lifts the parameters to inputs). Cache writes stay outside.

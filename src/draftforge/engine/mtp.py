@@ -28,7 +28,7 @@ class MTPChain:
         if head.hidden_size != tm.hidden_size:
             raise ValueError(f"mtp head width {head.hidden_size} != target hidden size {tm.hidden_size}")
         self.tm, self.head = tm, head
-        pack_linears(head)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py)
+        pack_linears(head)  # CPU: each product on its measured route (engine/cpu_linear.py)
         self.k = int(getattr(head, "num_drafts", DEFAULT_DRAFTS))
         if self.k < 1:
             raise ValueError(f"mtp: num_drafts {self.k} < 1")

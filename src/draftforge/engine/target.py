@@ -127,11 +127,18 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         gdn=gdn.gdn_shape(first_gdn) if first_gdn is not None else None,
         _tap_pos={t: i for i, t in enumerate(taps)},
     )
-    from draftforge.engine.cpu_linear import pack_linears
-    from draftforge.engine.fused import plain_blocks
+    from draftforge.engine import cpu_linear
+    from draftforge.engine.fused import fuse_projections, plain_blocks
 
-    pack_linears(model)  # CPU: oneDNN with prepacked weights (engine/cpu_linear.py); a no-op on CUDA
-    tm.runtime = LayerRuntime(fused=[FusedLayer() for _ in kinds], blocks=plain_blocks())
+    fused = [FusedLayer() for _ in kinds]
+    if tm.device.type == "cpu" and tm.dtype == torch.float32:  # CPU: fused q/k/v and gate/up, routed products
+        fused = fuse_projections(tm)
+        for fl in fused:
+            for w in (fl.wqkv, fl.wgu):
+                if w is not None:
+                    cpu_linear.register(w)
+    cpu_linear.pack_linears(model)  # engine/cpu_linear.py; a no-op off the CPU
+    tm.runtime = LayerRuntime(fused=fused, blocks=plain_blocks())
     return tm
 
 
