@@ -189,8 +189,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
     ap.add_argument("--compare-routes", action="store_true",
-                    help="also time verify(n ≤ 17), the drafter pass and the rounds under the former fixed rule of "
-                         "engine/cpu_linear.py, alternating with the tuned routes")
+                    help="also time verify(n ≤ 17), the drafter pass and the rounds on the former CPU path (fixed rule "
+                         "of engine/cpu_linear.py, unfused projections), alternating with the current one")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
@@ -250,7 +250,7 @@ def main() -> None:
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
     if "routes_ab" in rec:
         ab = rec["routes_ab"]
-        print("tuned routes (auto) vs the fixed rule, min ms auto / fixed (fixed ÷ auto):")
+        print("current CPU path (auto) vs the former one (fixed), min ms auto / fixed (fixed ÷ auto):")
         print("  " + "  ".join(f"{'v' + str(r['n']) if r['n'] != 'draft' else 'draft'} {r['auto_ms']:.1f} / {r['fixed_ms']:.1f} "
                                f"({r['fixed_over_auto']:.2f})" for r in ab["probes"]))
         print("  " + "  ".join(f"{r['method']}{'-' + str(r['budget']) if r['budget'] else ''} {r['auto_ms']:.1f} / "
@@ -260,33 +260,43 @@ def main() -> None:
 
 
 def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
-    """verify(n ≤ 17), the drafter's pass and the rounds under the tuned routes (DRAFTFORGE_CPU_LINEAR=auto) and
-    under the former fixed rule, the two alternating call by call (probes) or run by run (rounds) so host noise
-    hits both alike; min of each. ÷ = fixed ÷ auto (> 1: the tuned routes are faster)."""
+    """verify(n ≤ 17), the drafter's pass and the rounds two ways, alternating call by call (probes) or run by run
+    (rounds) so host noise hits both alike, min of each: `auto` = the engine's CPU path (measured routes, fused
+    q/k/v and gate/up) and `fixed` = the former one (DRAFTFORGE_CPU_LINEAR=fixed, each projection on its own).
+    fixed ÷ auto > 1: the current path is faster."""
+    import dataclasses
+
+    from draftforge.engine.blocks import FusedLayer
+    from draftforge.engine.fused import plain_blocks
+    from draftforge.engine.target import LayerRuntime
+
+    unfused = dataclasses.replace(tm, runtime=LayerRuntime(fused=[FusedLayer() for _ in tm.kinds], blocks=plain_blocks()))
     keep = os.environ.get("DRAFTFORGE_CPU_LINEAR")
+    ways = {"auto": ("auto", tm), "fixed": ("fixed", unfused)}
     out: dict = {"probes": [], "rounds": []}
     n_tok = args.rounds + 4
     methods = [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
-    probes = [(n, verify_probe(tm, prompt, n)) for n in SIZES if n <= 17] + [("draft", draft_probe(tm, d, args.prompt_len))]
+    probes = [(n, {w: verify_probe(t, prompt, n) for w, (_, t) in ways.items()}) for n in SIZES if n <= 17]
+    probes.append(("draft", {w: draft_probe(tm, d, args.prompt_len) for w in ways}))
     try:
-        for n, one in probes:
+        for n, fns in probes:
             times: dict[str, list[float]] = {"auto": [], "fixed": []}
             for i in range(2 * (args.reps + 2)):
-                pol = ("auto", "fixed")[i % 2]
-                os.environ["DRAFTFORGE_CPU_LINEAR"] = pol
+                way = ("auto", "fixed")[i % 2]
+                os.environ["DRAFTFORGE_CPU_LINEAR"] = ways[way][0]
                 t0 = time.perf_counter()
-                one()
-                times[pol].append(1e3 * (time.perf_counter() - t0))
+                fns[way]()
+                times[way].append(1e3 * (time.perf_counter() - t0))
             auto, fixed = min(times["auto"][1:]), min(times["fixed"][1:])  # the first call of each: warm-up, tuning
             out["probes"].append({"n": n, "auto_ms": auto, "fixed_ms": fixed, "fixed_over_auto": fixed / auto})
         for name, b in methods:
             rounds: dict[str, list[float]] = {"auto": [], "fixed": []}
             for i in range(6):
-                pol = ("auto", "fixed")[i % 2]
-                os.environ["DRAFTFORGE_CPU_LINEAR"] = pol
+                way = ("auto", "fixed")[i % 2]
+                os.environ["DRAFTFORGE_CPU_LINEAR"], t = ways[way]
                 if i < 2:
-                    generate(tm, make_method(name, tm, d, b), prompt, 4)  # warm-up
-                rounds[pol].append(round_times(generate(tm, make_method(name, tm, d, b), prompt, n_tok), 1)["round_ms"])
+                    generate(t, make_method(name, t, d, b), prompt, 4)  # warm-up
+                rounds[way].append(round_times(generate(t, make_method(name, t, d, b), prompt, n_tok), 1)["round_ms"])
             auto, fixed = min(rounds["auto"]), min(rounds["fixed"])
             out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, "fixed_ms": fixed,
                                   "fixed_over_auto": fixed / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip

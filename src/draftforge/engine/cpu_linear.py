@@ -3,7 +3,7 @@ its row count, measured on this machine the first time that pair occurs.
 
 Routes (all compute F.linear's function; rounding differs):
   gemv    F.linear (MKL: a GEMV for one row)
-  left    W·xᵀ, MKL's GEMM with the weight as the left operand; the output is a transposed view (no copy)
+  left    W·xᵀ, MKL's GEMM with the weight as the left operand, its (N, M) output copied row-major
   packed  oneDNN over a copy of the weight reordered once into its blocked layout
 
 On the 2-core AVX2 machine the default world runs on, no route wins everywhere (docs/benchmarks.md "Skinny
@@ -93,8 +93,8 @@ def _run(route: str, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     """x2 (M, K) → (M, N) by one route."""
     if route == "gemv":
         return F.linear(x2, w, bias)
-    if route == "left":
-        y = torch.mm(w, x2.t()).t()  # (M, N) from (N, K)·(K, M): a transposed view
+    if route == "left":  # (M, N) from (N, K)·(K, M), made row-major: a transposed view slows every consumer
+        y = torch.mm(w, x2.t()).t().contiguous()
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _packed_of(w), bias, "none", [], "")
 

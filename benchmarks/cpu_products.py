@@ -1,0 +1,76 @@
+"""The CPU routes of one product x·Wᵀ, timed per weight shape and row count (what engine/cpu_linear.py chooses from).
+
+For each shape (N, K), a group of random weights of that shape adding up to more than the caches (--group-mib,
+as a decode step streams its weights from memory) is multiplied by an x of `rows` rows through each route:
+  gemv    F.linear (MKL)
+  left    W·xᵀ (MKL GEMM with the weight as left operand), output copied row-major
+  packed  oneDNN over a copy reordered once
+The routes alternate within each repetition so host noise hits each alike; the table shows the minimum per call
+over the repetitions and which route is fastest. Shapes default to SmolLM2-135M's fused target projections
+(q/k/v 960 × 576, gate/up 3,072 × 576), o_proj 576 × 576, down_proj 576 × 1,536 and its LM head 49,152 × 576.
+
+    PYTHONPATH=src python benchmarks/cpu_products.py [--rows 1,2,5,8,16,17] [--shapes 960x576,…]  # ~2 min
+Writes $OUT/cpu_products.json when $OUT is set. Run with the machine otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from _out import write_record
+
+SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
+
+
+def routes(w: torch.Tensor, packed: torch.Tensor):
+    return {
+        "gemv": lambda x: F.linear(x, w),
+        "left": lambda x: torch.mm(w, x.t()).t().contiguous(),
+        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }
+
+
+def time_shape(n: int, k: int, rows_list: list[int], group_mib: int, reps: int) -> list[dict]:
+    count = max(1, (group_mib << 20) // (n * k * 4))
+    ws = [torch.randn(n, k) * 0.02 for _ in range(count)]
+    fns = [routes(w, torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in ws]
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, k)
+        best = {r: float("inf") for r in ("gemv", "left", "packed")}
+        for rep in range(reps + 1):
+            for route in best:
+                t0 = time.perf_counter()
+                for f in fns:
+                    f[route](x)
+                if rep:  # the first repetition warms up
+                    best[route] = min(best[route], (time.perf_counter() - t0) / count)
+        fastest = min(best, key=best.get)
+        out.append({"shape": f"{n}x{k}", "rows": rows, "weights_timed": count,
+                    "us": {r: 1e6 * t for r, t in best.items()}, "fastest": fastest})  # fmt: skip
+        us = "  ".join(f"{r} {1e6 * t:8.1f}" for r, t in best.items())
+        print(f"{n:>6}x{k:<5} rows {rows:>3}  {us}  → {fastest}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--rows", default="1,2,3,4,5,8,9,16,17,32,65")
+    ap.add_argument("--group-mib", type=int, default=96)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; µs per call (min of {args.reps})")
+    table = []
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        table += time_shape(n, k, rows, args.group_mib, args.reps)
+    write_record("cpu_products", {"threads": torch.get_num_threads(), "torch": torch.__version__, "rows": table})
+
+
+if __name__ == "__main__":
+    main()
