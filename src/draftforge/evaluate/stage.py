@@ -213,12 +213,15 @@ def main(ctx) -> None:
         es = load_engines(ctx, cfg, info, plan, device, dtype, mode)
         all_rows, files, responses = run_datasets(ctx, cfg, es, plan, info, sets, calib, device, dtype, mode, mismatch)
     if ctx.is_rank0:
+        from draftforge.engine import cpu_linear
+
         write_json(ctx.out_dir / STAGE_MARKERS["evaluate"], {
             "engine": "draftforge", "target": info.get("name"), "target_fingerprint": info.get("fingerprint"),
             RECORD_KEY: mode.kwargs, "chat_mode_mismatch": mismatch,
             "device": str(device), "world_size": ctx.world_size, "datasets": list(sets), "files": files,
             "note": BEST_NOTE, "rows": all_rows,
             "sampling_checks": sampling_checks(cfg, responses),
+            **({"cpu_routes": cpu_linear.tuned_routes()} if device.type == "cpu" else {}),  # engine/cpu_linear.py
         })  # fmt: skip
         clear_finished(ctx)
     if ctx.world_size > 1 and dist.is_initialized():
