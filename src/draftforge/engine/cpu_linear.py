@@ -109,7 +109,7 @@ def _tune(group: _Group, rows: int, w0: torch.Tensor) -> str:
             ws.append(w)
             size += w.numel() * 4
     ws = ws or [w0]
-    x2 = torch.randn(rows, w0.shape[1])
+    x2 = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(rows))  # the caller's RNG untouched
     best = dict.fromkeys(ROUTES, float("inf"))
     for _ in range(TUNE_REPS):  # routes interleaved, so host noise hits each alike; min of the reps
         for route in ROUTES:
