@@ -131,6 +131,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         for r in cal:
             bx.annotate(f"{r['n_train']:,}", (r["dflash_tau_mean"], r["val_sim_tau"]), color=color)
     ax.set_xscale("log")
+    sizes = sorted({r["n_train"] for r in results})
+    ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+    ax.minorticks_off()
     ax.set_xlabel("training conversations")
     ax.set_ylabel("τ (tokens per verify)")
     ax.set_title("τ vs data (engine τ: mean over sets)")
