@@ -1,5 +1,6 @@
 """Online features (train.features=online) equal the extract stage's offline features, and training on
-either gives the same first losses (fp32, CPU, tiny random target)."""
+either gives the same first losses (fp32, CPU, tiny random target); an objective that needs the target's
+distribution (acceptance weighting) gets its final-normed last layer online too."""
 
 from __future__ import annotations
 
@@ -84,3 +85,37 @@ def test_stage_trains_online_without_a_feature_store(tiny_target_info, tmp_path)
     # the chat mode of the data it trained on (curate's record), for evaluate / baselines to check
     exported = json.loads((ctx.out_dir / "drafter" / "config.json").read_text())["draftforge"]
     assert metrics["chat_template_kwargs"] == exported["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_online_last_layer_is_the_final_norm_output(tiny_target_info, tmp_path):
+    from draftforge.target.load import load_target_model
+
+    make_experiment(tmp_path, tiny_target_info, LENGTHS, seed=4)
+    ctx = context(tmp_path)
+    train_src, _, _ = open_online(tmp_path / EXPERIMENT / "curate", tiny_target_info, ctx.cfg.extract, torch.device("cpu"),
+                                  torch.float32, last=True)  # fmt: skip
+    ids, _, hidden, last = train_src[0]
+    model = load_target_model(tiny_target_info, dtype=torch.float32, device="cpu")
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]  # final-normed
+    assert last.shape == (ids.shape[0], ref.shape[-1]) and hidden.shape[0] == ids.shape[0]
+    torch.testing.assert_close(last, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stage_trains_acceptance_weighted_online(tiny_target_info, tmp_path):
+    import json
+
+    from draftforge.cli import make_context
+    from draftforge.train.stage import main
+    from extract_fixtures import overrides
+
+    make_experiment(tmp_path, tiny_target_info, LENGTHS, seed=4)
+    ctx = make_context("train", overrides(tmp_path, "drafter=dflash_aw", "drafter.draft_vocab_size=0", "train.features=online",
+                                          "train.max_steps=3", "train.num_anchors=8", "train.eval_every=3",
+                                          "train.val_max_seqs=2", "train.val_num_anchors=8"))  # fmt: skip
+    ctx.out_dir.mkdir(parents=True)
+    ctx.work_dir.mkdir(parents=True)
+    main(ctx)
+    metrics = json.loads((ctx.out_dir / "metrics.json").read_text())
+    assert metrics["features"] == "online" and metrics["steps"] == 3 and metrics["best"]["val_sim_tau"] >= 1.0

@@ -5,7 +5,10 @@ The sequences and their order are exactly the offline feature store's: the curat
 with the extract stage's own planner and settings (`extract.max_seq_len`, `sort_window`,
 `tokens_per_shard`, `seqs_per_shard`), so index i here is sequence i of the extract index, and the
 features are the extract stage's (same hooks, same early stop after the last tap, same attention
-implementation). Training, metrics and resume are unchanged; only the FeatureSource differs.
+implementation). Training, metrics and resume are unchanged; only the FeatureSource differs. An
+objective that needs the target's distribution (KL / TV terms, acceptance weighting) also gets the
+final-normed last layer (`last_hidden`, the 4th item element, as extract stores it for such a drafter):
+the forward then runs every layer (no early stop), never the LM head.
 
 Cost: one target prefill per training sequence and epoch (and per val sequence per evaluation),
 against offline's one prefill per sequence plus the feature store (n_taps x H x 2 bytes per token in
@@ -34,19 +37,22 @@ class OnlineTarget:
     """The frozen target with hooks on its tapped layers; one forward at a time (the train batches
     are built on a prefetch thread while evaluation runs on the main one; hooks are per model)."""
 
-    def __init__(self, model: torch.nn.Module, layer_ids: list[int], device: torch.device, feat_dtype: torch.dtype) -> None:
-        self.capture = TapCapture(model, list(layer_ids), stop_after_last=True)
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int], device: torch.device, feat_dtype: torch.dtype,
+                 last: bool = False) -> None:  # fmt: skip
+        self.capture = TapCapture(model, list(layer_ids), stop_after_last=True, capture_last=last)
         self.device, self.feat_dtype = device, feat_dtype
         self._lock = threading.Lock()
 
-    def features(self, ids: np.ndarray) -> torch.Tensor:
-        """ids (T,) → (T, n_taps*H) in feat_dtype on the device."""
+    def features(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids (T,) → ((T, n_taps*H), (T, H) final-normed last layer or None) in feat_dtype on the device."""
         x = torch.from_numpy(ids.astype(np.int64))[None].to(self.device)
         mask = torch.ones_like(x)
         valid = torch.arange(x.shape[1], device=self.device)
         with self._lock:
             out = self.capture.run(x, mask, valid)
-        return out.to(self.feat_dtype).clone()  # a normal tensor (run() is under inference_mode)
+            last = self.capture.last_out
+        # normal tensors (run() is under inference_mode)
+        return out.to(self.feat_dtype).clone(), (None if last is None else last.to(self.feat_dtype).clone())
 
 
 class OnlineSource:
@@ -78,12 +84,13 @@ class OnlineSource:
             counts += count_labels(torch.from_numpy(r.input_ids.astype(np.int64)), torch.from_numpy(r.loss_mask), vocab_size)
         return counts
 
-    def __getitem__(self, i: int) -> SeqTuple:
+    def __getitem__(self, i: int) -> SeqTuple | tuple[torch.Tensor, ...]:
         if not 0 <= i < self._n:
             raise IndexError(i)
         ids, mask = self.tokens(i)
-        hidden = self.target.features(ids)
-        return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.uint8)), hidden
+        hidden, last = self.target.features(ids)
+        item = (torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.uint8)), hidden)
+        return item if last is None else (*item, last)
 
 
 def plan_online(curate_dir: str | Path, extract_cfg: Any) -> ExtractPlan:
@@ -94,9 +101,9 @@ def plan_online(curate_dir: str | Path, extract_cfg: Any) -> ExtractPlan:
 
 
 def open_online(curate_dir: str | Path, info: dict[str, Any], extract_cfg: Any, device: torch.device,
-                feat_dtype: torch.dtype) -> tuple[OnlineSource, OnlineSource | None, str]:  # fmt: skip
+                feat_dtype: torch.dtype, last: bool = False) -> tuple[OnlineSource, OnlineSource | None, str]:  # fmt: skip
     """(train, val-or-None, plan key): the target loaded on `device` in feat_dtype, eager attention on
-    CPU (exact, as extract) and SDPA on CUDA."""
+    CPU (exact, as extract) and SDPA on CUDA; `last`: items also carry the final-normed last layer."""
     from draftforge.target.load import load_target_model
 
     plan = plan_online(curate_dir, extract_cfg)
@@ -106,7 +113,7 @@ def open_online(curate_dir: str | Path, info: dict[str, Any], extract_cfg: Any, 
     model.set_attn_implementation("sdpa" if device.type == "cuda" else "eager")
     for p in model.parameters():
         p.requires_grad_(False)
-    target = OnlineTarget(model, list(info["drafter"]["target_layer_ids"]), device, feat_dtype)
+    target = OnlineTarget(model, list(info["drafter"]["target_layer_ids"]), device, feat_dtype, last=last)
     vocab, max_len = int(info["vocab_size"]), int(extract_cfg.max_seq_len)
     train = OnlineSource(plan, "train", target, vocab, max_len)
     val = OnlineSource(plan, "val", target, vocab, max_len) if "val" in plan.splits else None

@@ -153,8 +153,11 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
 
         check_curate(ctx, info)
         target_dtype = getattr(torch, info.get("dtype") or "bfloat16") if device.type == "cuda" else torch.float32
-        train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype)
-        data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key}
+        needs_last = obj is not None and obj.needs_target
+        train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype,
+                                                   last=needs_last)  # fmt: skip
+        data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key,
+                    **({"last_hidden": True} if needs_last else {})}  # fmt: skip
     else:
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         data_key = offline_data_key(ctx.input_marker("extract"), obj is not None and obj.needs_target)
