@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftforge.engine import cpu_linear
-from draftforge.engine.cpu_linear import PACK_MIN, ROUTES, linear, pack_linears, register, route_for
+from draftforge.engine.cpu_linear import PACK_MIN, ROUTES, linear, register, route_for, route_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -25,7 +25,7 @@ def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
 def test_every_route_is_f_linear_and_never_reads_a_stale_copy(monkeypatch, policy, rows, bias):
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", policy)
     lin = _lin(PACK_MIN // 64 + 1, 64, bias)
-    assert pack_linears(lin) == 1 and pack_linears(lin) == 0  # idempotent
+    assert route_linears(lin) == 1 and route_linears(lin) == 0  # idempotent
     x = torch.randn(1, rows, 64)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
@@ -41,7 +41,7 @@ def test_the_tuner_measures_once_per_shape_and_rows(monkeypatch):
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "auto")
     lins = [_lin(PACK_MIN // 48 + 7, 48, False) for _ in range(3)]  # one group: a shape of their own
     for lin in lins:
-        pack_linears(lin)
+        route_linears(lin)
     x = torch.randn(3, 48)
     state = torch.get_rng_state()
     with torch.no_grad():
@@ -59,14 +59,14 @@ def test_the_tuner_measures_once_per_shape_and_rows(monkeypatch):
 def test_a_bad_policy_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "fastest")
     lin = _lin(PACK_MIN // 64 + 1, 64, False)
-    pack_linears(lin)
+    route_linears(lin)
     with torch.no_grad(), pytest.raises(ValueError, match="DRAFTFORGE_CPU_LINEAR='fastest'"):
         lin(torch.randn(2, 64))
 
 
 def test_tiny_and_unregistered_weights_stay_on_f_linear(monkeypatch):
     tiny = _lin(64, 64, False)
-    assert pack_linears(tiny) == 0 and not getattr(tiny, "_draftforge_routed", False)
+    assert route_linears(tiny) == 0 and not getattr(tiny, "_draftforge_routed", False)
     assert not register(torch.randn(64, 64)) and not register(torch.randn(PACK_MIN, 2, dtype=torch.float64))
     calls = []
     monkeypatch.setattr(cpu_linear, "_run", lambda *a: calls.append(a))
@@ -78,7 +78,7 @@ def test_tiny_and_unregistered_weights_stay_on_f_linear(monkeypatch):
 
 def test_autograd_goes_through_f_linear():
     lin = _lin(PACK_MIN // 16 + 1, 16, True)
-    assert pack_linears(lin) == 1
+    assert route_linears(lin) == 1
     x = torch.randn(3, 16)
     lin(x).sum().backward()
     assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, torch.ones(PACK_MIN // 16 + 1, 1) * x.sum(0)[None])

@@ -70,6 +70,7 @@ def register(w: torch.Tensor) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
+    w._draftforge_registered = True  # routes apply to registered tensors only, never to a same-shaped stranger
     group = _groups.setdefault(tuple(w.shape), _Group())
     group.weights = [r for r in group.weights if r() is not None]  # models freed since
     if not any(r() is w for r in group.weights):
@@ -141,7 +142,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear(x, w, bias) for x (..., K), w (N, K) → (..., N), by the route chosen for w's shape and x's rows when
     w is registered and the call is an fp32 CPU product without autograd; F.linear otherwise."""
     if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.device.type != "cpu" \
-            or x.dtype != torch.float32 or torch.compiler.is_compiling() or tuple(w.shape) not in _groups:
+            or x.dtype != torch.float32 or torch.compiler.is_compiling() or not getattr(w, "_draftforge_registered", False):
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]
     y = _run(route_for(w, rows), x.reshape(rows, x.shape[-1]), w, bias)  # (M, N)
@@ -152,7 +153,7 @@ def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias)
 
 
-def pack_linears(module: nn.Module) -> int:
+def route_linears(module: nn.Module) -> int:
     """Register every fp32 CPU nn.Linear of `module` with at least PACK_MIN weights and route its forward through
     `linear` (idempotent) → how many were newly routed. Packed copies are made when a route first needs them."""
     n = 0

@@ -50,7 +50,7 @@ class DrafterContext:
         if tuple(cfg.target_layer_ids) != tm.tap_ids:
             raise ValueError(f"drafter taps {cfg.target_layer_ids} != target wrapper taps {list(tm.tap_ids)}")
         if isinstance(drafter, torch.nn.Module):
-            cpu_linear.pack_linears(drafter)  # CPU: each product on its measured route (engine/cpu_linear.py)
+            cpu_linear.route_linears(drafter)  # CPU: each product on its measured route (engine/cpu_linear.py)
         self.drafter, self.tm, self.static = drafter, tm, static
         self.block, self.mask_id = cfg.block_size, cfg.mask_token_id
         self.first_slot, self.n_draft = cfg.first_slot, cfg.n_draft  # asked of the drafter, never derived here

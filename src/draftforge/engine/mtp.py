@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from draftforge.engine.cpu_linear import pack_linears
+from draftforge.engine.cpu_linear import route_linears
 from draftforge.engine.target import TargetModel, embed_tokens
 from draftforge.engine.tree import Tree, chain_tree
 
@@ -28,7 +28,7 @@ class MTPChain:
         if head.hidden_size != tm.hidden_size:
             raise ValueError(f"mtp head width {head.hidden_size} != target hidden size {tm.hidden_size}")
         self.tm, self.head = tm, head
-        pack_linears(head)  # CPU: each product on its measured route (engine/cpu_linear.py)
+        route_linears(head)  # CPU: each product on its measured route (engine/cpu_linear.py)
         self.k = int(getattr(head, "num_drafts", DEFAULT_DRAFTS))
         if self.k < 1:
             raise ValueError(f"mtp: num_drafts {self.k} < 1")

@@ -137,7 +137,7 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
             for w in (fl.wqkv, fl.wgu):
                 if w is not None:
                     cpu_linear.register(w)
-    cpu_linear.pack_linears(model)  # engine/cpu_linear.py; a no-op off the CPU
+    cpu_linear.route_linears(model)  # engine/cpu_linear.py; a no-op off the CPU
     tm.runtime = LayerRuntime(fused=fused, blocks=plain_blocks())
     return tm
 

@@ -147,20 +147,20 @@ def block_branch(ctx, cfg: TrainConfig, info: dict[str, Any], free_bytes: FreeBy
     device = open_device(ctx, cfg)
     dtype = compute_dtype(cfg, device)
     obj = make_objective(cfg, dcfg, loss_weights, bool(shape.acceptance_weighting))
+    needs_last = obj is not None and obj.needs_target  # the features carry the target's last layer
     if cfg.features == "online":
         from draftforge.extract.stage import check_curate
         from draftforge.train.online import open_online
 
         check_curate(ctx, info)
         target_dtype = getattr(torch, info.get("dtype") or "bfloat16") if device.type == "cuda" else torch.float32
-        needs_last = obj is not None and obj.needs_target
         train_src, val_src, plan_key = open_online(ctx.input_dir("curate"), info, ctx.cfg.extract, device, target_dtype,
                                                    last=needs_last)  # fmt: skip
         data_key = {"features": "online", "curate": sha256_file(ctx.input_marker("curate")), "plan": plan_key,
                     **({"last_hidden": True} if needs_last else {})}  # fmt: skip
     else:
         train_src, val_src = open_features(ctx.input_dir("extract"), info, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        data_key = offline_data_key(ctx.input_marker("extract"), obj is not None and obj.needs_target)
+        data_key = offline_data_key(ctx.input_marker("extract"), needs_last)
     if obj is not None and obj.needs_target and len(train_src[0]) < 4:
         where = "train.features=online" if cfg.features == "online" else str(ctx.input_marker("extract"))
         raise StageError(f"{where}: the {shape.name} drafter's objective {obj.weights} needs the target's last-layer "
