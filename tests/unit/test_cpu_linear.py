@@ -56,6 +56,30 @@ def test_the_tuner_measures_once_per_shape_and_rows(monkeypatch):
     assert not calls and route_for(lins[1].weight, 3) == picked["route"]
 
 
+def test_pretune_chooses_every_missing_pair_once_and_decoding_then_times_nothing(monkeypatch):
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "auto")
+    lin = _lin(PACK_MIN // 40 + 3, 40, True)  # a shape of its own
+    route_linears(lin)
+    with torch.no_grad():
+        lin(torch.randn(2, 40))  # rows 2 chosen by use; pretune must keep that choice
+    kept = route_for(lin.weight, 2)
+    state = torch.get_rng_state()
+    assert cpu_linear.pretune(range(1, 6)) >= 4  # rows 1, 3, 4, 5 of this shape (other tests' shapes may add more)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cpu_linear.pretune(range(1, 6)) == 0  # nothing left to choose
+    routes = cpu_linear.tuned_routes()[f"{PACK_MIN // 40 + 3}x40"]
+    assert set(routes) >= {"1", "2", "3", "4", "5"} and routes["2"]["route"] == kept
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or "gemv")
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        for rows in range(1, 6):
+            torch.testing.assert_close(lin(x[:rows]), F.linear(x[:rows], lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert not calls  # every row count the decode meets was chosen before it
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "gemv")
+    assert cpu_linear.pretune(range(6, 9)) == 0  # a pinned route has nothing to choose
+
+
 def test_a_bad_policy_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "fastest")
     lin = _lin(PACK_MIN // 64 + 1, 64, False)

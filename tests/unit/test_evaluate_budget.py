@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -233,3 +234,12 @@ def test_stage_rows_and_calibration_split(tmp_path):
     trees = [r for r in rows if r["method"] == "ddtree"]
     assert sum(r["auto_budget"] for r in trees) == 1 and sum(r["best_budget"] for r in trees) == 1
     assert all(r["calibration_prompts"] == 1 and r["calibration_tau"] >= 1.0 for r in trees)
+
+
+def test_decode_rows_cover_every_chunk_and_verify_a_plan_may_multiply():
+    plan = [("ar", None), ("dflash", None), ("ddtree", 3), ("ddtree", 64)]
+    es = SimpleNamespace(drafter=SimpleNamespace(block=16))
+    assert runner.decode_rows(es, plan) == set(range(1, 18)) | {4, 65}  # chunks 1…17, tree verifies budget + 1
+    es = SimpleNamespace(drafter=SimpleNamespace(block=32))
+    assert runner.decode_rows(es, plan[:2]) == set(range(1, 34))
+    assert runner.decode_rows(SimpleNamespace(drafter=None), [("ar", None)]) == set(range(1, 18))

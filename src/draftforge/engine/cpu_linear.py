@@ -27,6 +27,7 @@ import os
 import time
 import types
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +137,24 @@ def route_for(w: torch.Tensor, rows: int) -> str:
     if route is None:
         route = group.routes[rows] = _tune(group, rows, w)
     return route
+
+
+def pretune(rows: Iterable[int]) -> int:
+    """Choose now, under the current policy, the route of every registered shape for each row count in `rows` that
+    has none yet → pairs tuned. A decode met a new (shape, rows) pair mid-generation otherwise and paid its
+    timing (tens of ms) inside a timed round; a warm-up calls this before timing starts."""
+    if policy() != "auto":
+        return 0
+    n = 0
+    for group in _groups.values():
+        w0 = next((w for w in (r() for r in group.weights) if w is not None), None)
+        if w0 is None:
+            continue
+        for m in rows:
+            if 1 <= m <= TUNE_MAX_ROWS and m not in group.routes:
+                group.routes[m] = _tune(group, m, w0)
+                n += 1
+    return n
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

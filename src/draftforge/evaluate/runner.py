@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from draftforge import chat
 from draftforge.drafter.registry import MTP_HEAD, artifact_of_method, source_key_of_method, tree_methods
-from draftforge.engine import METHODS, CapacityError, GenResult, TargetModel, generate, make_method
+from draftforge.engine import METHODS, CapacityError, GenResult, TargetModel, cpu_linear, generate, make_method
 from draftforge.errors import StageError
 from draftforge.evaluate.sampling_check import pit_values
 
@@ -122,12 +122,23 @@ def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
     return [(m, b) for m, b in plan if m in tree_methods()]
 
 
+def decode_rows(es: EngineSet, plan: Sequence[MethodCfg]) -> set[int]:
+    """Row counts the products of a decode of `plan` may see: a drafter's context chunk or a chain's verify
+    (1 … block + 1), a tree's verify (budget + 1), and at least 1 … 17 (an MTP round, short chunks)."""
+    block = int(getattr(es.drafter, "block", 0) or 0)
+    return set(range(1, max(block, 16) + 2)) | {int(b) + 1 for _, b in plan if b is not None}
+
+
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
-    """Run every method config n times on one prompt and discard the results (allocator, kernels)."""
+    """Run every method config n times on one prompt and discard the results (allocator, kernels); on the CPU,
+    then choose every product route a decode of the plan may need (engine/cpu_linear.py), so no timed round
+    pays for choosing one."""
     ids = chat.prompt_ids(es.tokenizer, split_turns(prompt)[0], es.chat_mode)
     for _ in range(n):
         for method in plan:
             run_one(es, method, ids, temperature, seed=0)
+    if es.tm.device.type == "cpu":
+        cpu_linear.pretune(sorted(decode_rows(es, plan)))
 
 
 def run_dataset(es: EngineSet, plan: list[MethodCfg], dataset: str, prompts: Sequence[tuple[int, Messages]],
