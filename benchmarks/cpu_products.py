@@ -1,10 +1,9 @@
 """The CPU routes of one product x·Wᵀ, timed per weight shape and row count (what engine/cpu_linear.py chooses from).
 
 For each shape (N, K), a group of random weights of that shape adding up to more than the caches (--group-mib,
-as a decode step streams its weights from memory) is multiplied by an x of `rows` rows through each route:
-  gemv    F.linear (MKL)
-  left    W·xᵀ (MKL GEMM with the weight as left operand), output copied row-major
-  packed  oneDNN over a copy reordered once
+as a decode step streams its weights from memory) is multiplied by an x of `rows` rows through each route of
+engine/cpu_linear.py (`run_route`): gemv (F.linear, MKL), left (W·xᵀ, output copied row-major), packed (oneDNN over
+a copy reordered once) and kernel (the engine's AVX2 kernel, engine/cpu_kernel.py, where it builds).
 The routes alternate within each repetition so host noise hits each alike; the table shows the minimum per call
 over the repetitions and which route is fastest. Shapes default to SmolLM2-135M's fused target projections
 (q/k/v 960 × 576, gate/up 3,072 × 576), o_proj 576 × 576, down_proj 576 × 1,536 and its LM head 49,152 × 576.
@@ -19,33 +18,26 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 from _out import write_record
 
+from draftforge.engine import cpu_kernel, cpu_linear
+
 SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
-
-
-def routes(w: torch.Tensor, packed: torch.Tensor):
-    return {
-        "gemv": lambda x: F.linear(x, w),
-        "left": lambda x: torch.mm(w, x.t()).t().contiguous(),
-        "packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-    }
 
 
 def time_shape(n: int, k: int, rows_list: list[int], group_mib: int, reps: int) -> list[dict]:
     count = max(1, (group_mib << 20) // (n * k * 4))
     ws = [torch.randn(n, k) * 0.02 for _ in range(count)]
-    fns = [routes(w, torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in ws]
+    usable = [r for r in cpu_linear.ROUTES if r != "kernel" or (cpu_kernel.eligible((n, k)) and cpu_kernel.available())]
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k)
-        best = {r: float("inf") for r in ("gemv", "left", "packed")}
+        best = {r: float("inf") for r in usable}
         for rep in range(reps + 1):
             for route in best:
                 t0 = time.perf_counter()
-                for f in fns:
-                    f[route](x)
+                for w in ws:
+                    cpu_linear.run_route(route, x, w, None)
                 if rep:  # the first repetition warms up
                     best[route] = min(best[route], (time.perf_counter() - t0) / count)
         fastest = min(best, key=best.get)

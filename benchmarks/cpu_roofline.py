@@ -188,9 +188,10 @@ def main() -> None:
                     help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
-    ap.add_argument("--compare-routes", action="store_true",
-                    help="also time verify(n ≤ 17), the drafter pass and the rounds on the former CPU path (fixed rule "
-                         "of engine/cpu_linear.py, unfused projections), alternating with the current one")
+    ap.add_argument("--compare-routes", nargs="?", const="fixed", choices=["fixed", "library"], default=None,
+                    help="also time verify(n ≤ 17), the drafter pass and the rounds on another CPU path, alternating "
+                         "with the current one: fixed = the former rule of engine/cpu_linear.py with unfused "
+                         "projections (the default), library = measured routes without the engine's AVX2 kernel")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
@@ -249,12 +250,12 @@ def main() -> None:
         print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
     if "routes_ab" in rec:
-        ab = rec["routes_ab"]
-        print("current CPU path (auto) vs the former one (fixed), min ms auto / fixed (fixed ÷ auto):")
-        print("  " + "  ".join(f"{'v' + str(r['n']) if r['n'] != 'draft' else 'draft'} {r['auto_ms']:.1f} / {r['fixed_ms']:.1f} "
-                               f"({r['fixed_over_auto']:.2f})" for r in ab["probes"]))
+        ab, o = rec["routes_ab"], args.compare_routes
+        print(f"current CPU path (auto) vs {o}, min ms auto / {o} ({o} ÷ auto):")
+        print("  " + "  ".join(f"{'v' + str(r['n']) if r['n'] != 'draft' else 'draft'} {r['auto_ms']:.1f} / {r[o + '_ms']:.1f} "
+                               f"({r[o + '_over_auto']:.2f})" for r in ab["probes"]))
         print("  " + "  ".join(f"{r['method']}{'-' + str(r['budget']) if r['budget'] else ''} {r['auto_ms']:.1f} / "
-                               f"{r['fixed_ms']:.1f} ({r['fixed_over_auto']:.2f})" for r in ab["rounds"]))
+                               f"{r[o + '_ms']:.1f} ({r[o + '_over_auto']:.2f})" for r in ab["rounds"]))
     print("routes chosen: " + "; ".join(f"{shape}: " + " ".join(f"{rows}→{v['route']}" for rows, v in per.items())
                                         for shape, per in rec["tuned_routes"].items()))
 
@@ -262,8 +263,9 @@ def main() -> None:
 def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     """verify(n ≤ 17), the drafter's pass and the rounds two ways, alternating call by call (probes) or run by run
     (rounds) so host noise hits both alike, min of each: `auto` = the engine's CPU path (measured routes, fused
-    q/k/v and gate/up) and `fixed` = the former one (DRAFTFORGE_CPU_LINEAR=fixed, each projection on its own).
-    fixed ÷ auto > 1: the current path is faster."""
+    q/k/v and gate/up) and the other policy `args.compare_routes`: `fixed` = the former path
+    (DRAFTFORGE_CPU_LINEAR=fixed, each projection on its own) or `library` (measured routes without the engine's
+    kernel, fused). other ÷ auto > 1: the current path is faster."""
     import dataclasses
 
     from draftforge.engine.blocks import FusedLayer
@@ -272,7 +274,8 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
 
     unfused = dataclasses.replace(tm, runtime=LayerRuntime(fused=[FusedLayer() for _ in tm.kinds], blocks=plain_blocks()))
     keep = os.environ.get("DRAFTFORGE_CPU_LINEAR")
-    ways = {"auto": ("auto", tm), "fixed": ("fixed", unfused)}
+    other = args.compare_routes
+    ways = {"auto": ("auto", tm), other: (other, unfused if other == "fixed" else tm)}
     out: dict = {"probes": [], "rounds": []}
     n_tok = args.rounds + 4
     methods = [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
@@ -280,26 +283,26 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     probes.append(("draft", {w: draft_probe(tm, d, args.prompt_len) for w in ways}))
     try:
         for n, fns in probes:
-            times: dict[str, list[float]] = {"auto": [], "fixed": []}
+            times: dict[str, list[float]] = {"auto": [], other: []}
             for i in range(2 * (args.reps + 2)):
-                way = ("auto", "fixed")[i % 2]
+                way = ("auto", other)[i % 2]
                 os.environ["DRAFTFORGE_CPU_LINEAR"] = ways[way][0]
                 t0 = time.perf_counter()
                 fns[way]()
                 times[way].append(1e3 * (time.perf_counter() - t0))
-            auto, fixed = min(times["auto"][1:]), min(times["fixed"][1:])  # the first call of each: warm-up, tuning
-            out["probes"].append({"n": n, "auto_ms": auto, "fixed_ms": fixed, "fixed_over_auto": fixed / auto})
+            auto, alt = min(times["auto"][1:]), min(times[other][1:])  # the first call of each: warm-up, tuning
+            out["probes"].append({"n": n, "auto_ms": auto, f"{other}_ms": alt, f"{other}_over_auto": alt / auto})
         for name, b in methods:
-            rounds: dict[str, list[float]] = {"auto": [], "fixed": []}
+            rounds: dict[str, list[float]] = {"auto": [], other: []}
             for i in range(6):
-                way = ("auto", "fixed")[i % 2]
+                way = ("auto", other)[i % 2]
                 os.environ["DRAFTFORGE_CPU_LINEAR"], t = ways[way]
                 if i < 2:
                     generate(t, make_method(name, t, d, b), prompt, 4)  # warm-up
                 rounds[way].append(round_times(generate(t, make_method(name, t, d, b), prompt, n_tok), 1)["round_ms"])
-            auto, fixed = min(rounds["auto"]), min(rounds["fixed"])
-            out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, "fixed_ms": fixed,
-                                  "fixed_over_auto": fixed / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip
+            auto, alt = min(rounds["auto"]), min(rounds[other])
+            out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, f"{other}_ms": alt,
+                                  f"{other}_over_auto": alt / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip
     finally:
         if keep is None:
             os.environ.pop("DRAFTFORGE_CPU_LINEAR", None)

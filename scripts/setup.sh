@@ -41,7 +41,7 @@ else
   echo "[setup] $VENV is up to date"
 fi
 
-# Debian packages the tests use, as `command:package` (skipped when the command is already there).
+# Debian packages the engine and the tests use, as `command:package` (skipped when the command is already there).
 have() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null 2>&1; }
 apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install the packages whose command is absent
   local flags=() missing=() entry
@@ -49,12 +49,15 @@ apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install t
   for entry in "$@"; do have "${entry%%:*}" || missing+=("${entry#*:}"); done
   [[ ${#missing[@]} -eq 0 ]] && return 0
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing Debian ${missing[*]} (test tools)"
+    echo "[setup] installing Debian ${missing[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${flags[@]}" "${missing[@]}" >/dev/null
   else
-    echo "[setup] ${missing[*]} not found and cannot apt-get install them: the tests that need them will be skipped"
+    echo "[setup] ${missing[*]} not found and cannot apt-get install them: what needs them is skipped or takes a slower path"
   fi
 }
+# A C++ compiler builds the engine's AVX2 product kernel on first use (engine/cpu_kernel.py); without one the
+# library routes serve every product.
+apt_missing -- c++:g++
 if [[ $WITH_TEST == 1 ]]; then
   apt_missing -- chromium:chromium  # browser test of mlflow ui
   # A one-node SLURM cluster with munge for the slurm profile's test (scripts/slurm_local.sh, docs/cluster.md);

@@ -8,10 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine import cpu_linear
+from draftforge.engine import cpu_kernel, cpu_linear
 from draftforge.engine.cpu_linear import PACK_MIN, ROUTES, linear, register, route_for, route_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _usable(route: str) -> bool:
+    return route != "kernel" or cpu_kernel.available()
 
 
 def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
@@ -23,6 +27,8 @@ def _lin(n_out: int, n_in: int, bias: bool) -> nn.Linear:
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_route_is_f_linear_and_never_reads_a_stale_copy(monkeypatch, policy, rows, bias):
+    if not _usable(policy):
+        pytest.skip(f"the AVX2 kernel is unavailable here: {cpu_kernel.unavailable_reason()}")
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", policy)
     lin = _lin(PACK_MIN // 64 + 1, 64, bias)
     assert route_linears(lin) == 1 and route_linears(lin) == 0  # idempotent
@@ -48,9 +54,10 @@ def test_the_tuner_measures_once_per_shape_and_rows(monkeypatch):
         lins[0](x)
     assert torch.equal(torch.get_rng_state(), state)  # timing draws from its own generator (seeded sampling stays put)
     picked = cpu_linear.tuned_routes()[f"{PACK_MIN // 48 + 7}x48"]["3"]
-    assert picked["route"] in ROUTES and set(picked["ms"]) == set(ROUTES)
+    usable = {r for r in ROUTES if _usable(r)}  # auto times every route this machine has (the kernel where built)
+    assert picked["route"] in usable and set(picked["ms"]) == usable
     calls = []
-    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or "gemv")
+    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or ("gemv", {}))
     with torch.no_grad():
         lins[2](torch.randn(3, 48))  # the same shape and rows: the kept choice, no new timing
     assert not calls and route_for(lins[1].weight, 3) == picked["route"]
@@ -70,7 +77,7 @@ def test_pretune_chooses_every_missing_pair_once_and_decoding_then_times_nothing
     routes = cpu_linear.tuned_routes()[f"{PACK_MIN // 40 + 3}x40"]
     assert set(routes) >= {"1", "2", "3", "4", "5"} and routes["2"]["route"] == kept
     calls = []
-    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or "gemv")
+    monkeypatch.setattr(cpu_linear, "_tune", lambda *a: calls.append(a) or ("gemv", {}))
     x = torch.randn(5, 40)
     with torch.no_grad():
         for rows in range(1, 6):
@@ -117,3 +124,32 @@ def test_a_registered_buffer_weight_routes_with_leading_dims(rows):
         y = linear(x, w)
     assert y.shape == (2, rows, PACK_MIN // 64 + 3)
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_auto_keeps_the_library_routes_and_a_pinned_kernel_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernel, "_module", [])
+    monkeypatch.setattr(cpu_kernel, "_reason", [])
+    monkeypatch.setenv("DRAFTFORGE_CPU_KERNEL", "0")
+    assert not cpu_kernel.available() and "DRAFTFORGE_CPU_KERNEL=0" in cpu_kernel.unavailable_reason()
+    assert [r.getMessage() for r in caplog.records if "kernel is unavailable" in r.getMessage()]  # said, not silent
+    assert cpu_linear.candidates("auto", (4096, 64)) == cpu_linear.LIBRARY_ROUTES
+    lin = _lin(PACK_MIN // 56 + 5, 56, False)
+    route_linears(lin)
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "kernel")
+    with torch.no_grad(), pytest.raises(ValueError, match="DRAFTFORGE_CPU_LINEAR=kernel: the kernel is unavailable"):
+        lin(torch.randn(2, 56))
+
+
+def test_the_kernel_takes_only_widths_of_whole_vectors(monkeypatch):
+    if not cpu_kernel.available():
+        pytest.skip(f"the AVX2 kernel is unavailable here: {cpu_kernel.unavailable_reason()}")
+    assert cpu_linear.candidates("auto", (4096, 64)) == ROUTES
+    assert cpu_linear.candidates("auto", (4096, 60)) == cpu_linear.LIBRARY_ROUTES  # K % 8: no kernel
+    assert cpu_linear.candidates("library", (4096, 64)) == cpu_linear.LIBRARY_ROUTES
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "kernel")
+    odd = _lin(PACK_MIN // 60 + 9, 60, True)
+    route_linears(odd)
+    x = torch.randn(3, 60)
+    with torch.no_grad():
+        assert route_for(odd.weight, 3) == "gemv"  # a pinned kernel serves the shapes it cannot take on F.linear
+        torch.testing.assert_close(odd(x), F.linear(x, odd.weight, odd.bias), rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftforge.engine import cpu_linear, generate_ar, generate_ddtree, generate_dflash  # noqa: E402
+from draftforge.engine import cpu_kernel, cpu_linear, generate_ar, generate_ddtree, generate_dflash  # noqa: E402
 from draftforge.engine.span import chain_span, tree_span  # noqa: E402
 from draftforge.engine.state import TargetState  # noqa: E402
 from draftforge.engine.target import forward  # noqa: E402
@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(autouse=True, params=[*cpu_linear.ROUTES, "auto"])
 def route_everything(request, monkeypatch):
+    if request.param == "kernel" and not cpu_kernel.available():
+        pytest.skip(f"the AVX2 kernel is unavailable here: {cpu_kernel.unavailable_reason()}")
     monkeypatch.setattr(cpu_linear, "PACK_MIN", 0)
     monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", request.param)
 

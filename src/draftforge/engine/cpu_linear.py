@@ -1,10 +1,11 @@
-"""CPU decoding: each product x·Wᵀ of the engine takes the fastest of three routes for its weight's shape and
+"""CPU decoding: each product x·Wᵀ of the engine takes the fastest of its routes for its weight's shape and
 its row count, measured on this machine the first time that pair occurs.
 
 Routes (all compute F.linear's function; rounding differs):
   gemv    F.linear (MKL: a GEMV for one row)
   left    W·xᵀ, MKL's GEMM with the weight as the left operand, its (N, M) output copied row-major
   packed  oneDNN over a copy of the weight reordered once into its blocked layout
+  kernel  the engine's own AVX2 kernel (engine/cpu_kernel.py), where it is built and K is a multiple of 8
 
 On the 2-core AVX2 machine the default world runs on, no route wins everywhere (docs/benchmarks.md "Skinny
 products on the CPU"): at one row F.linear is quickest through 576 × 576 and oneDNN through the fused 960 × 576
@@ -17,8 +18,10 @@ Invariants: the engine reaches the routes only without autograd, in fp32 on the 
 (anything else is F.linear); a packed copy is rebuilt when its weight changed in place (an optimizer step,
 load_state_dict), so a stale copy is never read; the route of a (shape, rows) pair is fixed once chosen, so
 every engine mode in one process computes the same function with the same rounding.
-`DRAFTFORGE_CPU_LINEAR` = auto (default) | fixed (the former rule: F.linear for one row through a weight of
-fewer than 4M values, oneDNN otherwise) | gemv | left | packed — for benchmarks and tests that pin a route.
+`DRAFTFORGE_CPU_LINEAR` = auto (default: every route) | library (auto over the library routes gemv, left, packed)
+| fixed (the former rule: F.linear for one row through a weight of fewer than 4M values, oneDNN otherwise) | gemv |
+left | packed | kernel — for benchmarks and tests that pin a route (a pinned kernel serves the shapes it cannot
+take on gemv).
 """
 
 from __future__ import annotations
@@ -34,8 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROUTES = ("gemv", "left", "packed")
-POLICIES = ("auto", "fixed", *ROUTES)
+from draftforge.engine import cpu_kernel
+
+LIBRARY_ROUTES = ("gemv", "left", "packed")
+ROUTES = (*LIBRARY_ROUTES, "kernel")
+TUNED = ("auto", "library")  # policies that measure their route per (shape, rows)
+POLICIES = (*TUNED, "fixed", *ROUTES)
 # Below this many values a Linear is not registered: oneDNN's fixed cost per call exceeds the whole product, and
 # only tiny models (the tests' random ones) have such weights; SmolLM2-135M's smallest, k/v, is 576 × 192.
 PACK_MIN = 1 << 16
@@ -50,8 +57,8 @@ class _Group:
     """The registered weights of one shape (N, K) and the route chosen per row count."""
 
     weights: list[weakref.ref] = field(default_factory=list)
-    routes: dict[int, str] = field(default_factory=dict)
-    timings: dict[int, dict[str, float]] = field(default_factory=dict)  # rows → route → seconds (for benchmarks)
+    routes: dict[tuple[str, int], str] = field(default_factory=dict)  # (tuned policy, rows) → route
+    timings: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)  # → route → seconds
 
 
 _groups: dict[tuple[int, int], _Group] = {}
@@ -91,19 +98,28 @@ def _packed_of(w: torch.Tensor) -> torch.Tensor:
     return entry[2]
 
 
-def _run(route: str, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def run_route(route: str, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 (M, K) → (M, N) by one route."""
     if route == "gemv":
         return F.linear(x2, w, bias)
     if route == "left":  # (M, N) from (N, K)·(K, M), made row-major: a transposed view slows every consumer
         y = torch.mm(w, x2.t()).t().contiguous()
         return y if bias is None else y + bias
+    if route == "kernel":
+        return cpu_kernel.skinny_linear(x2, w, bias)
     return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _packed_of(w), bias, "none", [], "")
 
 
-def _tune(group: _Group, rows: int, w0: torch.Tensor) -> str:
-    """Time every route over the group's weights (up to TUNE_BYTES; `w0` when none is alive) with `rows` random
-    rows → the fastest."""
+def candidates(p: str, shape: tuple[int, int]) -> tuple[str, ...]:
+    """The routes tuned policy `p` chooses among for a weight of `shape`."""
+    if p == "auto" and cpu_kernel.eligible(shape) and cpu_kernel.available():
+        return ROUTES
+    return LIBRARY_ROUTES
+
+
+def _tune(group: _Group, rows: int, w0: torch.Tensor, routes: tuple[str, ...] = LIBRARY_ROUTES) -> tuple[str, dict[str, float]]:
+    """Time `routes` over the group's weights (up to TUNE_BYTES; `w0` when none is alive) with `rows` random
+    rows → (the fastest, route → seconds)."""
     ws, size = [], 0
     for ref in group.weights:
         w = ref()
@@ -112,20 +128,23 @@ def _tune(group: _Group, rows: int, w0: torch.Tensor) -> str:
             size += w.numel() * 4
     ws = ws or [w0]
     x2 = torch.randn(rows, w0.shape[1], generator=torch.Generator().manual_seed(rows))  # the caller's RNG untouched
-    best = dict.fromkeys(ROUTES, float("inf"))
+    best = dict.fromkeys(routes, float("inf"))
     for _ in range(TUNE_REPS):  # routes interleaved, so host noise hits each alike; min of the reps
-        for route in ROUTES:
+        for route in routes:
             t0 = time.perf_counter()
             for w in ws:
-                _run(route, x2, w, None)
+                run_route(route, x2, w, None)
             best[route] = min(best[route], time.perf_counter() - t0)
-    group.timings[rows] = best
-    return min(best, key=best.get)
+    return min(best, key=best.get), best
 
 
 def route_for(w: torch.Tensor, rows: int) -> str:
     """The route of `rows` rows through the registered weight `w` under the current policy."""
     p = policy()
+    if p == "kernel":
+        if not cpu_kernel.available():
+            raise ValueError(f"DRAFTFORGE_CPU_LINEAR=kernel: the kernel is unavailable ({cpu_kernel.unavailable_reason()})")
+        return "kernel" if cpu_kernel.eligible(tuple(w.shape)) else "gemv"
     if p in ROUTES:
         return p
     if p == "fixed":
@@ -133,9 +152,15 @@ def route_for(w: torch.Tensor, rows: int) -> str:
     if rows > TUNE_MAX_ROWS:
         return "packed"
     group = _groups[tuple(w.shape)]
-    route = group.routes.get(rows)
+    route = group.routes.get((p, rows))
     if route is None:
-        route = group.routes[rows] = _tune(group, rows, w)
+        route = _choose(group, p, rows, w)
+    return route
+
+
+def _choose(group: _Group, p: str, rows: int, w0: torch.Tensor) -> str:
+    route, group.timings[(p, rows)] = _tune(group, rows, w0, candidates(p, tuple(w0.shape)))
+    group.routes[(p, rows)] = route
     return route
 
 
@@ -143,7 +168,8 @@ def pretune(rows: Iterable[int]) -> int:
     """Choose now, under the current policy, the route of every registered shape for each row count in `rows` that
     has none yet → pairs tuned. A decode met a new (shape, rows) pair mid-generation otherwise and paid its
     timing (tens of ms) inside a timed round; a warm-up calls this before timing starts."""
-    if policy() != "auto":
+    p = policy()
+    if p not in TUNED:
         return 0
     n = 0
     for group in _groups.values():
@@ -151,8 +177,8 @@ def pretune(rows: Iterable[int]) -> int:
         if w0 is None:
             continue
         for m in rows:
-            if 1 <= m <= TUNE_MAX_ROWS and m not in group.routes:
-                group.routes[m] = _tune(group, m, w0)
+            if 1 <= m <= TUNE_MAX_ROWS and (p, m) not in group.routes:
+                _choose(group, p, m, w0)
                 n += 1
     return n
 
@@ -164,7 +190,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             or x.dtype != torch.float32 or torch.compiler.is_compiling() or not getattr(w, "_draftforge_registered", False):
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]
-    y = _run(route_for(w, rows), x.reshape(rows, x.shape[-1]), w, bias)  # (M, N)
+    y = run_route(route_for(w, rows), x.reshape(rows, x.shape[-1]), w, bias)  # (M, N)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -188,6 +214,11 @@ def route_linears(module: nn.Module) -> int:
 
 
 def tuned_routes() -> dict[str, dict[str, object]]:
-    """What the tuner chose and measured so far: "N×K" → {rows: {"route": …, "ms": {route: ms over the group}}}."""
-    return {f"{n}x{k}": {str(r): {"route": g.routes[r], "ms": {k2: 1e3 * v for k2, v in g.timings.get(r, {}).items()}}
-                         for r in sorted(g.routes)} for (n, k), g in _groups.items()}  # fmt: skip
+    """What the tuner chose and measured so far: "N×K" → {rows: {"route": …, "ms": {route: ms over the group}}}
+    (rows as "R" under `auto`, "R library" under `library`)."""
+    out: dict[str, dict[str, object]] = {}
+    for (n, k), g in _groups.items():
+        out[f"{n}x{k}"] = {(str(r) if p == "auto" else f"{r} {p}"): {
+            "route": g.routes[(p, r)], "ms": {k2: 1e3 * v for k2, v in g.timings.get((p, r), {}).items()}}
+            for p, r in sorted(g.routes)}
+    return out
