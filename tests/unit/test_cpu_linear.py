@@ -100,7 +100,7 @@ def test_tiny_and_unregistered_weights_stay_on_f_linear(monkeypatch):
     assert route_linears(tiny) == 0 and not getattr(tiny, "_draftforge_routed", False)
     assert not register(torch.randn(64, 64)) and not register(torch.randn(PACK_MIN, 2, dtype=torch.float64))
     calls = []
-    monkeypatch.setattr(cpu_linear, "_run", lambda *a: calls.append(a))
+    monkeypatch.setattr(cpu_linear, "run_route", lambda *a: calls.append(a))
     w, x = torch.randn(301, 64), torch.randn(4, 64)  # a shape never registered
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=0, atol=0)
