@@ -94,7 +94,7 @@ def test_a_misspelt_method_fails_at_compose_naming_the_known_ones(tmp_path: Path
 def test_a_captured_engine_too_small_for_the_answers_fails_at_compose() -> None:
     with pytest.raises(ConfigError, match=r"evaluate.engine_capacity: 128 rows cannot hold evaluate.max_new_tokens 64 "
                                           r"\+ a verify of 65"):
-        compose("default", ["evaluate.engine=captured", "evaluate.engine_capacity=128"])
+        compose("default", ["evaluate.engine=captured", "evaluate.engine_capacity=128", "evaluate.budgets=[4,64]"])
     assert compose("default", ["evaluate.engine=captured", "evaluate.engine_capacity=256"]).evaluate.engine_capacity == 256
     compose("default", ["evaluate.engine_capacity=128"])  # eager: the capacity is unused
 
