@@ -83,6 +83,7 @@ def compose(
         if not cfg.results_root:
             cfg.results_root = str(default_results_root())
         OmegaConf.resolve(cfg)
+        apply_branch_steps(cfg, overrides)
         # `+key=value` overrides slip past Hydra's struct check: re-validate against the schema.
         cfg = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.create(OmegaConf.to_container(cfg)))
         OmegaConf.set_struct(cfg, True)
@@ -94,6 +95,15 @@ def compose(
     finally:
         GlobalHydra.instance().clear()
     return cfg
+
+
+def apply_branch_steps(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """train.max_steps ← train.branch_max_steps[drafter name] when listed, unless the command line sets
+    train.max_steps (which then holds for every branch)."""
+    steps = (cfg.get("train") or {}).get("branch_max_steps") or {}
+    name = (cfg.get("drafter") or {}).get("name")
+    if name in steps and not any(override_key(o) == "train.max_steps" for o in overrides):
+        cfg.train.max_steps = int(steps[name])
 
 
 def check_drafters(cfg: DictConfig, overrides: Sequence[str], conf_dir: str | Path) -> None:
@@ -170,6 +180,7 @@ def stage_params(cfg: DictConfig, stage: str) -> dict[str, Any]:
         into[leaf] = to_plain(node[leaf])
     for key, default in [*ADDED_OPTIONS.items(), *NEWLY_TRACKED.get(stage, {}).items()]:
         _drop(view, key, lambda value, default=default: value == default)
+    _drop(view, "train.branch_max_steps")  # resolved into train.max_steps per branch (apply_branch_steps)
     if STAGE_BY_NAME[stage].per_drafter and "drafter" in cfg:  # keys this branch's type never reads
         for key in ignored_keys(cfg.drafter):
             _drop(view, key)

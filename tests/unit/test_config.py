@@ -201,3 +201,16 @@ def test_newly_tracked_keys_change_a_stage_params_only_when_set() -> None:
     sampled = stage_params(compose("smoke", [*base[:-1], "evaluate.temperatures=[0.0,1.0]"]), "baselines")
     assert sampled["evaluate"]["temperatures"] == [0.0, 1.0]
     assert "temperatures" not in stage_params(compose("smoke", [*base[:-1], "evaluate.temperatures=[0.0,1.0]"]), "curate")["evaluate"]
+
+
+def test_branch_max_steps_train_one_branch_longer_and_the_command_line_wins() -> None:
+    aw, ds = compose("default", ["drafter=dflash_aw"]), compose("default", ["drafter=dspark"])
+    assert (aw.train.max_steps, ds.train.max_steps) == (3000, 1000)  # conf/experiment/default.yaml
+    assert compose("default", ["drafter=dflash_aw", "train.max_steps=7"]).train.max_steps == 7
+    # The table itself is no stage param: another branch's entry never reruns this branch (or moves its resume key).
+    other = compose("default", ["drafter=dspark", "train.branch_max_steps={dflash_aw: 50}"])
+    assert stage_params(other, "train") == stage_params(ds, "train")
+    assert "branch_max_steps" not in stage_params(aw, "train")["train"]
+    assert stage_params(aw, "train")["train"]["max_steps"] == 3000
+    with pytest.raises(ConfigError, match=r"train.branch_max_steps.*must be -1 \(all epochs\) or >= 1"):
+        compose("default", ["train.branch_max_steps={dflash_aw: 0}"])

@@ -9,7 +9,7 @@ CPU worlds scale num_anchors / max_steps down in their experiment file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from draftforge.errors import check
 
@@ -27,6 +27,11 @@ class TrainConfig:
     features: str = "offline"
     epochs: int = 6
     max_steps: int = -1  # -1: run all epochs; otherwise stop (and schedule) at this many steps
+    # Per-branch max_steps, by drafter name ({dflash_aw: 3000}): a listed branch trains (and schedules) that many
+    # steps instead of max_steps, so one drafter can train longer without the others paying for it. A command-line
+    # `train.max_steps=` wins over it for every branch. Resolved when the config is composed (config.compose);
+    # stage params and resume keys see only the resolved max_steps.
+    branch_max_steps: Dict[str, int] = field(default_factory=dict)
     lr: float = 6e-4
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     warmup_ratio: float = 0.04
@@ -93,6 +98,8 @@ class TrainConfig:
         check(self.device in ("auto", "cpu", "cuda"), "train.device", f"{self.device!r}: use one of auto, cpu, cuda")
         check(self.lr > 0, "train.lr", f"{self.lr} must be > 0")
         check(self.max_steps == -1 or self.max_steps >= 1, "train.max_steps", f"{self.max_steps}: use -1 (all epochs) or >= 1")
+        bad = {k: v for k, v in self.branch_max_steps.items() if not (v == -1 or v >= 1)}
+        check(not bad, "train.branch_max_steps", f"{bad}: each value must be -1 (all epochs) or >= 1")
         check(self.batch_seqs >= 1, "train.batch_seqs", f"{self.batch_seqs} must be >= 1")
         check(self.num_anchors >= 1, "train.num_anchors", f"{self.num_anchors} must be >= 1")
         check(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"{self.warmup_ratio} must be in [0, 1)")
