@@ -7,10 +7,11 @@ Routes (all compute F.linear's function; rounding differs):
   packed  oneDNN over a copy of the weight reordered once into its blocked layout
   kernel  the engine's own AVX2 kernel (engine/cpu_kernel.py), where it is built and K is a multiple of 8
 
-On the 2-core AVX2 machine the default world runs on, no route wins everywhere (docs/benchmarks.md "Skinny
-products on the CPU"): at one row F.linear is quickest through 576 × 576 and oneDNN through the fused 960 × 576
-q/k/v and 3,072 × 576 gate/up weights (1.6×); at 2–5 and 16 rows W·xᵀ costs about one row's time where the
-others cost 1.3–2×; at 17 rows oneDNN leads. So the choice is measured, not written down: a weight's *group* is
+On the 2-core AVX2 machine the default world runs on, no library route wins everywhere (docs/benchmarks.md
+"Skinny products on the CPU"): at one row F.linear is quickest through 576 × 576 and oneDNN through the fused
+960 × 576 q/k/v and 3,072 × 576 gate/up weights; at 2–5 and 16 rows W·xᵀ leads; at 17 rows oneDNN. The kernel
+leads every shape there through 17 rows, but not the LM head at 65 rows ("The engine's AVX2 kernel"), and
+another CPU ranks them its own way. So the choice is measured, not written down: a weight's *group* is
 every registered weight of its shape, and a route is timed over as many of them as exceed the caches (a decode
 step streams its weights from memory; one weight timed alone would sit in cache).
 
