@@ -20,7 +20,7 @@ import time
 import torch
 from _out import write_record
 
-from draftforge.engine import cpu_kernel, cpu_linear
+from draftforge.engine import cpu_linear
 
 SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
 
@@ -28,7 +28,7 @@ SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
 def time_shape(n: int, k: int, rows_list: list[int], group_mib: int, reps: int) -> list[dict]:
     count = max(1, (group_mib << 20) // (n * k * 4))
     ws = [torch.randn(n, k) * 0.02 for _ in range(count)]
-    usable = [r for r in cpu_linear.ROUTES if r != "kernel" or (cpu_kernel.eligible((n, k)) and cpu_kernel.available())]
+    usable = cpu_linear.candidates("auto", (n, k))  # the routes the engine's tuner chooses among for this shape
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k)

@@ -100,10 +100,9 @@ def compose(
 def apply_branch_steps(cfg: DictConfig, overrides: Sequence[str]) -> None:
     """train.max_steps ← train.branch_max_steps[drafter name] when listed, unless the command line sets
     train.max_steps (which then holds for every branch)."""
-    steps = (cfg.get("train") or {}).get("branch_max_steps") or {}
-    name = (cfg.get("drafter") or {}).get("name")
-    if name in steps and not any(override_key(o) == "train.max_steps" for o in overrides):
-        cfg.train.max_steps = int(steps[name])
+    steps = cfg.train.branch_max_steps
+    if cfg.drafter.name in steps and not any(override_key(o) == "train.max_steps" for o in overrides):
+        cfg.train.max_steps = int(steps[cfg.drafter.name])
 
 
 def check_drafters(cfg: DictConfig, overrides: Sequence[str], conf_dir: str | Path) -> None:
