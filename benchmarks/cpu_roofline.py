@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -192,7 +193,13 @@ def main() -> None:
                     help="also time verify(n ≤ 17), the drafter pass and the rounds on another CPU path, alternating "
                          "with the current one: fixed = the former rule of engine/cpu_linear.py with unfused "
                          "projections (the default), library = measured routes without the engine's AVX2 kernel")
+    ap.add_argument("--compare-kernel", metavar="CPP", default=None,
+                    help="also time verify(n ≤ 17), the drafter pass and the rounds with the engine's kernel built from "
+                         "this source instead (e.g. a former commit's: git show REV:src/draftforge/engine/csrc/"
+                         "skinny_linear.cpp > /tmp/k.cpp), alternating with the current one on the same routes")
     args = ap.parse_args()
+    if args.compare_routes and args.compare_kernel:
+        ap.error("--compare-routes and --compare-kernel: one A/B per run")
     if args.tiny:
         args.prompt_len, args.reps, args.rounds = 40, 2, 4
     ceil = ceilings(args.tiny)
@@ -230,7 +237,7 @@ def main() -> None:
             generate(tm, make_method(name, tm, ds, b), prompt, 4)  # warm-up
             rt = round_times(generate(tm, make_method(name, tm, ds, b), prompt, n_tok), 1)
             rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
-    if args.compare_routes:
+    if args.compare_routes or args.compare_kernel:
         rec["routes_ab"] = routes_ab(tm, drafters[-1][1], prompt, args, ar_ms)
     rec["tuned_routes"] = cpu_linear.tuned_routes()
     write_record("cpu_roofline", rec)
@@ -250,7 +257,7 @@ def main() -> None:
         print(f"{label:>9} {r['round_ms']:8.1f} {floor} {r['over_ar']:6.2f} "
               f"{r['draft_ms']:7.1f} {r['verify_ms']:7.1f} {r['overhead_ms']:6.1f}")
     if "routes_ab" in rec:
-        ab, o = rec["routes_ab"], args.compare_routes
+        ab, o = rec["routes_ab"], args.compare_routes or "baseline"
         print(f"current CPU path (auto) vs {o}, min ms auto / {o} ({o} ÷ auto):")
         print("  " + "  ".join(f"{'v' + str(r['n']) if r['n'] != 'draft' else 'draft'} {r['auto_ms']:.1f} / {r[o + '_ms']:.1f} "
                                f"({r[o + '_over_auto']:.2f})" for r in ab["probes"]))
@@ -265,7 +272,8 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     (rounds) so host noise hits both alike, min of each: `auto` = the engine's CPU path (measured routes, fused
     q/k/v and gate/up) and the other policy `args.compare_routes`: `fixed` = the former path
     (DRAFTFORGE_CPU_LINEAR=fixed, each projection on its own) or `library` (measured routes without the engine's
-    kernel, fused). other ÷ auto > 1: the current path is faster."""
+    kernel, fused); or, with `args.compare_kernel`, `baseline` = the same routes with the kernel built from that
+    source. other ÷ auto > 1: the current path is faster."""
     import dataclasses
 
     from draftforge.engine.blocks import FusedLayer
@@ -273,9 +281,24 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     from draftforge.engine.target import LayerRuntime
 
     unfused = dataclasses.replace(tm, runtime=LayerRuntime(fused=[FusedLayer() for _ in tm.kinds], blocks=plain_blocks()))
+    from draftforge.engine import cpu_kernel
+
     keep = os.environ.get("DRAFTFORGE_CPU_LINEAR")
-    other = args.compare_routes
-    ways = {"auto": ("auto", tm), other: (other, unfused if other == "fixed" else tm)}
+    other = args.compare_routes or "baseline"
+    ways = {"auto": ("auto", tm), other: ("auto" if other == "baseline" else other, unfused if other == "fixed" else tm)}
+    kernels = {"auto": cpu_kernel._module[0] if cpu_kernel.available() else None}
+    kernels[other] = kernels["auto"]
+    if args.compare_kernel:
+        if kernels["auto"] is None:
+            raise SystemExit(f"--compare-kernel: the engine's kernel is unavailable here ({cpu_kernel.unavailable_reason()})")
+        kernels[other] = cpu_kernel.build(Path(args.compare_kernel), "draftforge_skinny_linear_baseline")
+
+    def use(way: str) -> Any:
+        os.environ["DRAFTFORGE_CPU_LINEAR"] = ways[way][0]
+        if kernels[way] is not None:
+            cpu_kernel._module[0] = kernels[way]
+        return ways[way][1]
+
     out: dict = {"probes": [], "rounds": []}
     n_tok = args.rounds + 4
     methods = [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
@@ -286,7 +309,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
             times: dict[str, list[float]] = {"auto": [], other: []}
             for i in range(2 * (args.reps + 2)):
                 way = ("auto", other)[i % 2]
-                os.environ["DRAFTFORGE_CPU_LINEAR"] = ways[way][0]
+                use(way)
                 t0 = time.perf_counter()
                 fns[way]()
                 times[way].append(1e3 * (time.perf_counter() - t0))
@@ -296,7 +319,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
             rounds: dict[str, list[float]] = {"auto": [], other: []}
             for i in range(6):
                 way = ("auto", other)[i % 2]
-                os.environ["DRAFTFORGE_CPU_LINEAR"], t = ways[way]
+                t = use(way)
                 if i < 2:
                     generate(t, make_method(name, t, d, b), prompt, 4)  # warm-up
                 rounds[way].append(round_times(generate(t, make_method(name, t, d, b), prompt, n_tok), 1)["round_ms"])
@@ -304,6 +327,8 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
             out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, f"{other}_ms": alt,
                                   f"{other}_over_auto": alt / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip
     finally:
+        if kernels["auto"] is not None:
+            cpu_kernel._module[0] = kernels["auto"]
         if keep is None:
             os.environ.pop("DRAFTFORGE_CPU_LINEAR", None)
         else:

@@ -153,3 +153,16 @@ def test_the_kernel_takes_only_widths_of_whole_vectors(monkeypatch):
     with torch.no_grad():
         assert route_for(odd.weight, 3) == "gemv"  # a pinned kernel serves the shapes it cannot take on F.linear
         torch.testing.assert_close(odd(x), F.linear(x, odd.weight, odd.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_equals_f_linear_for_every_pass_split_and_prefetch_range():
+    """Rows 1…19 cover every split of the kernel's passes (3s, then 2 + 2, 2 or 1) and so every share of the next
+    block's lines a pass prefetches; K = 72 is not a whole number of 64-byte lines and N % 4 = 3 leaves a tail."""
+    if not cpu_kernel.available():
+        pytest.skip(f"the AVX2 kernel is unavailable here: {cpu_kernel.unavailable_reason()}")
+    torch.manual_seed(0)
+    w, bias = torch.randn(4 * 37 + 3, 72), torch.randn(4 * 37 + 3)
+    for rows in range(1, 20):
+        x = torch.randn(rows, 72)
+        torch.testing.assert_close(cpu_kernel.skinny_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cpu_kernel.skinny_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)

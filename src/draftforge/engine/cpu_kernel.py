@@ -33,10 +33,16 @@ def _load() -> Any:
         raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2")
     if not shutil.which(os.environ.get("CXX", "c++")):
         raise RuntimeError("no C++ compiler (c++) on PATH")
+    return build(SOURCE, "draftforge_skinny_linear")
+
+
+def build(source: Path, name: str) -> Any:
+    """The extension built from `source` under `name` (cached per machine and source). The engine's is `SOURCE`; a
+    benchmark builds a former version under another name to time both in one process."""
     from torch.utils.cpp_extension import load
 
-    return load(name="draftforge_skinny_linear", sources=[str(SOURCE)], verbose=False,
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])  # fmt: skip
+    return load(name=name, sources=[str(source)], verbose=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])  # fmt: skip
 
 
 def available() -> bool:
