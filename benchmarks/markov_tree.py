@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from draftforge.engine.dspark import build_markov_tree  # noqa: E402
+from draftforge.engine import cpu_linear  # noqa: E402
+from draftforge.engine.dspark import build_markov_tree, markov_batch  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
 
 
@@ -38,10 +39,16 @@ def main() -> None:
     w1 = torch.randn(args.vocab, args.rank, generator=g) / args.rank**0.5
     w2 = torch.randn(args.vocab, args.rank, generator=g) / args.rank**0.5
 
-    def bias(prev: torch.Tensor) -> torch.Tensor:
-        return w1[prev] @ w2.t()
+    cpu_linear.register(w2)  # as the engine's methods do: the bias product on its measured route
 
-    builders = {"engine": build_markov_tree}
+    def bias(prev: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(w1[prev], w2)
+
+    def engine(bonus: int, logits: torch.Tensor, bias_fn, budget: int):
+        return build_markov_tree(bonus, logits, bias_fn, budget, batch=markov_batch(budget))
+
+    cpu_linear.pretune(range(1, 17))
+    builders = {"engine": engine}
     if args.other:
         spec = importlib.util.spec_from_file_location("other", args.other)
         mod = importlib.util.module_from_spec(spec)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from draftforge.engine import cpu_linear
 from draftforge.engine.methods import METHODS, BlockMethod, tree_budget
 from draftforge.engine.target import TargetModel
 from draftforge.engine.tree import Tree, chain_tree
@@ -50,15 +51,17 @@ class _MarkovBase(BlockMethod):
         self.w1 = head.markov_w1.weight.detach().float() if head is not None else None  # (V, r)
         self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V, r)
         self.w2_norm = self.w2.norm(dim=1) if head is not None else None  # (V,) ‖W2_v‖ bounds |bias_v| / ‖e‖
+        if self.w2 is not None:
+            cpu_linear.register(self.w2)  # CPU: the bias product on its measured route (engine/cpu_linear.py)
 
     def base_logits(self, bonus: int, start: int) -> torch.Tensor:
         """(D, V) fp32 base logits of the predicting slots (depths 1..D)."""
         return self.ctx.block_logits(bonus, start).float()
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor | int:
-        """prev (m,) int64 → (m, V) Markov bias (0 without a head). Computed as W2 · eᵀ: for a few rows, MKL's
-        product with the (V, r) weight on the left runs ~2.5× faster on a CPU than e · W2ᵀ (docs/benchmarks.md)."""
-        return 0 if self.w1 is None else (self.w2 @ self.w1[prev].t()).t()
+        """prev (m,) int64 → (m, V) Markov bias e · W2ᵀ, e = W1[prev] (0 without a head): one read of the (V, r) W2
+        for the m rows, on the CPU by the route measured for (W2's shape, m) (the engine's kernel where built)."""
+        return 0 if self.w1 is None else cpu_linear.linear(self.w1[prev], self.w2)
 
 
 class DSparkChain(_MarkovBase):
@@ -98,7 +101,7 @@ class DDTreeMarkov(_MarkovBase):
         return self.base_logits(bonus, start)
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
-        return build_markov_tree(bonus, drafted, self.bias, self.budget)
+        return build_markov_tree(bonus, drafted, self.bias, self.budget, batch=markov_batch(self.budget))
 
 
 def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: torch.Tensor, k: int = 32) -> int:
@@ -120,6 +123,15 @@ def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: t
             winners = cand[exact == best]
             return int(winners.min())
         k *= 4
+
+
+def markov_batch(budget: int) -> int:
+    """Frontier nodes `build_markov_tree` expands per round at this budget: 4 up to 8, else 8. A round reads the
+    head's whole W2 once whatever its rows, so a larger tree pays for fewer, wider rounds, but each row also pays a
+    log-softmax and top-K over V and a wide round wastes up to batch − 1 expansions. Measured on the 2-core CPU
+    (docs/benchmarks.md "ddtree_markov's tree build"): at budget 64, 8 was the fastest or tied on both a peaked and
+    a flat drafter, 16 lost on the flat one. The tree does not depend on it."""
+    return 4 if budget <= 8 else 8
 
 
 def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int = 4) -> Tree:

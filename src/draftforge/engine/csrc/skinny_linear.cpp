@@ -1,9 +1,8 @@
 // Skinny fp32 products on x86 with AVX2 + FMA: y (M, N) = x (M, K) · w (N, K)ᵀ (+ bias) for the few rows a
 // decode step multiplies (docs/architecture.md "CPU products"). The weight streams from memory once per call: each
-// thread takes whole blocks of NB weight rows, and every pass of up to 3 x rows reuses that block from L1. With 2–8
-// rows (several passes per block) the next block is prefetched during the current one, so memory stays busy while
-// later passes compute; one row streams on the hardware prefetcher alone, and above 8 rows the passes are
-// compute-bound (measured: docs/benchmarks.md "The engine's AVX2 kernel").
+// thread takes whole blocks of NB weight rows, and every pass of up to 3 x rows reuses that block from L1. With 2+
+// rows each pass prefetches its share of the next block's lines, so memory stays busy while the passes compute; one
+// row streams on the hardware prefetcher alone (measured: docs/benchmarks.md "The engine's AVX2 kernel").
 // Every output element is one thread's sum in a fixed order, so results do not depend on the thread count.
 // Preconditions (checked here): fp32, contiguous, K a multiple of 8, bias (N,) or none.
 #include <torch/extension.h>
