@@ -13,6 +13,7 @@ import pytest
 
 from draftforge.config import compose
 from draftforge.errors import ConfigError
+from draftforge.evaluate import budget as budget_mod
 from draftforge.evaluate import runner
 from draftforge.evaluate.aggregate import aggregate
 from draftforge.evaluate.budget import calibration_curves, choose_budget, predicted_tokens_per_s
@@ -41,6 +42,10 @@ def test_choose_budget_maximises_tau_over_cost():
     assert choose_budget(curve) == 32
     assert predicted_tokens_per_s(2.2, 0.12) == pytest.approx(2.2 / 0.12)
     assert choose_budget({64: (2.0, 0.2), 16: (1.0, 0.1)}) == 16  # a tie goes to the smaller budget
+    # within TIE_TOLERANCE of the best is a tie too (calibration noise); beyond it the larger budget wins
+    assert choose_budget({3: (1.35, 0.0671), 4: (1.31, 0.0661), 8: (1.50, 0.0730)}) == 3  # 20.1 vs 20.5 tok/s: a tie
+    assert choose_budget({3: (1.35, 0.0671), 8: (1.60, 0.0730)}) == 8  # 20.1 vs 21.9 tok/s: 8 wins
+    assert budget_mod.TIE_TOLERANCE == 0.03
     assert choose_budget({8: (None, 0.1), 16: (1.2, math.nan), 32: (1.5, 0.0), 64: (1.1, 0.2)}) == 64  # unusable skipped
     assert choose_budget({8: (None, None)}) is None and choose_budget({}) is None
 
