@@ -129,7 +129,7 @@ def markov_batch(budget: int) -> int:
     """Frontier nodes `build_markov_tree` expands per round at this budget: 4 up to 8, else 8. A round reads the
     head's whole W2 once whatever its rows, so a larger tree pays for fewer, wider rounds, but each row also pays a
     log-softmax and top-K over V and a wide round wastes up to batch − 1 expansions. Measured on the 2-core CPU
-    (docs/benchmarks.md "ddtree_markov's tree build"): at budget 64, 8 was the fastest or tied on both a peaked and
+    (docs/benchmarks.md, "The kernel prefetches at every row count; ddtree_markov's bias on the kernel"): at budget 64, 8 was the fastest or tied on both a peaked and
     a flat drafter, 16 lost on the flat one. The tree does not depend on it."""
     return 4 if budget <= 8 else 8
 

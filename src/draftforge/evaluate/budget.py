@@ -39,8 +39,8 @@ def predicted_tokens_per_s(tau: float | None, cost_s: float | None) -> float | N
 # few per cent (host noise on the cost, prompt sampling on τ); a larger budget that wins by less than that is as
 # likely noise as not, and it loses more where it is wrong (its verify costs more). On the 2-core CPU, 3% turned the
 # two misses of the auto budget in four default runs (0.79 and 0.81 of the oracle's tokens/s, both a budget-8 tree
-# won by < 2% in calibration) into the oracle's choice, and cost at most 3% elsewhere (docs/benchmarks.md,
-# "The auto budget's ties").
+# that won by < 3% in calibration) into the oracle's choice, and cost at most 3% elsewhere (docs/benchmarks.md,
+# "The kernel prefetches at every row count …", the auto budget's ties).
 TIE_TOLERANCE = 0.03
 
 

@@ -2,7 +2,8 @@
 // decode step multiplies (docs/architecture.md "CPU products"). The weight streams from memory once per call: each
 // thread takes whole blocks of NB weight rows, and every pass of up to 3 x rows reuses that block from L1. With 2+
 // rows each pass prefetches its share of the next block's lines, so memory stays busy while the passes compute; one
-// row streams on the hardware prefetcher alone (measured: docs/benchmarks.md "The engine's AVX2 kernel").
+// row streams on the hardware prefetcher alone (measured: docs/benchmarks.md "The engine's AVX2 kernel" and "The
+// kernel prefetches at every row count").
 // Every output element is one thread's sum in a fixed order, so results do not depend on the thread count.
 // Preconditions (checked here): fp32, contiguous, K a multiple of 8, bias (N,) or none.
 #include <torch/extension.h>
@@ -53,7 +54,7 @@ inline void tile(const float* x, const float* w, const float* bias, float* y, in
 }
 
 // Rows per pass: 3 while more than 4 remain (or exactly 3), then 2 + 2, 2 or 1. A 1-row pass keeps only R FMA chains
-// in flight and costs most of a 3-row pass, so it is left only to M = 1 (or M = 1 mod 3 below 4: none).
+// in flight and costs most of a 3-row pass, so only M = 1 has one.
 inline int64_t pass_rows(int64_t left) { return left == 4 ? 2 : left >= 3 ? 3 : left; }
 
 inline int64_t n_passes(int64_t M) {
