@@ -166,3 +166,25 @@ def test_the_kernel_equals_f_linear_for_every_pass_split_and_prefetch_range():
         x = torch.randn(rows, 72)
         torch.testing.assert_close(cpu_kernel.skinny_linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cpu_kernel.skinny_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_pretune_times_again_a_choice_unlike_its_neighbours(monkeypatch):
+    """A route chosen on a slow sample (all routes timed during a host slowdown) is re-timed when it differs from
+    both neighbouring row counts' routes; a choice that agrees with a neighbour is timed once."""
+    monkeypatch.setenv("DRAFTFORGE_CPU_LINEAR", "auto")
+    lin = _lin(PACK_MIN // 24 + 5, 24, False)  # a shape of its own
+    route_linears(lin)
+    answers = {1: ["gemv"], 2: ["gemv"], 3: ["left", "gemv"], 4: ["gemv"]}  # rows 3: a slow sample picks `left` once
+    calls = []
+
+    def fake_tune(group, rows, w0, routes=cpu_linear.LIBRARY_ROUTES):
+        if tuple(w0.shape) != tuple(lin.weight.shape):  # other tests' shapes in this process
+            return "gemv", {}
+        calls.append(rows)
+        return answers[rows].pop(0), {}
+
+    monkeypatch.setattr(cpu_linear, "_tune", fake_tune)
+    assert cpu_linear.pretune(range(1, 5)) >= 4  # other tests' shapes may add more
+    assert sorted(calls) == [1, 2, 3, 3, 4]  # rows 3 timed twice
+    with torch.no_grad():
+        assert [route_for(lin.weight, m) for m in range(1, 5)] == ["gemv"] * 4

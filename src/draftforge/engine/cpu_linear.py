@@ -168,7 +168,12 @@ def _choose(group: _Group, p: str, rows: int, w0: torch.Tensor) -> str:
 def pretune(rows: Iterable[int]) -> int:
     """Choose now, under the current policy, the route of every registered shape for each row count in `rows` that
     has none yet → pairs tuned. A decode met a new (shape, rows) pair mid-generation otherwise and paid its
-    timing (tens of ms) inside a timed round; a warm-up calls this before timing starts."""
+    timing (tens of ms) inside a timed round; a warm-up calls this before timing starts.
+
+    A pair chosen here whose route differs from that of both its neighbours (rows ± 1, where chosen) is timed once
+    more and takes the second choice: a host slowdown can span all TUNE_REPS repetitions of one tuning, and a route
+    picked on such a sample would hold for the process (measured: docs/benchmarks.md, "The kernel prefetches at
+    every row count", a 17-row product left on a route 2× slower)."""
     p = policy()
     if p not in TUNED:
         return 0
@@ -177,10 +182,14 @@ def pretune(rows: Iterable[int]) -> int:
         w0 = next((w for w in (r() for r in group.weights) if w is not None), None)
         if w0 is None:
             continue
-        for m in rows:
-            if 1 <= m <= TUNE_MAX_ROWS and (p, m) not in group.routes:
+        fresh = [m for m in rows if 1 <= m <= TUNE_MAX_ROWS and (p, m) not in group.routes]
+        for m in fresh:
+            _choose(group, p, m, w0)
+        n += len(fresh)
+        for m in fresh:
+            near = [group.routes[(p, m + d)] for d in (-1, 1) if (p, m + d) in group.routes]
+            if near and group.routes[(p, m)] not in near:
                 _choose(group, p, m, w0)
-                n += 1
     return n
 
 
