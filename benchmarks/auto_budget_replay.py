@@ -22,20 +22,15 @@ def replay(path: Path, tolerances: list[float]) -> list[str]:
         if r.get("calibration_tokens_per_s") and r.get("tokens_per_s"):
             groups[(r["dataset"], r["temperature"], r["method"])].append(r)
     lines = []
-    keep = budget.TIE_TOLERANCE
-    try:
-        for key, group in sorted(groups.items()):
-            oracle = max(r["tokens_per_s"] for r in group)
-            rate = {r["budget"]: (r["calibration_tokens_per_s"], 1.0) for r in group}  # (τ/cost, 1): the rate itself
-            by_budget = {r["budget"]: r["tokens_per_s"] for r in group}
-            cells = []
-            for tol in tolerances:
-                budget.TIE_TOLERANCE = tol
-                b = budget.choose_budget(rate)
-                cells.append(f"tol {tol:.2f}: {b} ({by_budget[b] / oracle:.2f})")
-            lines.append(f"{path.name} {key[0]} T={key[1]} {key[2]}  " + "  ".join(cells))
-    finally:
-        budget.TIE_TOLERANCE = keep
+    for key, group in sorted(groups.items()):
+        oracle = max(r["tokens_per_s"] for r in group)
+        rate = {r["budget"]: (r["calibration_tokens_per_s"], 1.0) for r in group}  # (τ/cost, 1): the rate itself
+        by_budget = {r["budget"]: r["tokens_per_s"] for r in group}
+        cells = []
+        for tol in tolerances:
+            b = budget.choose_budget(rate, tol)
+            cells.append(f"tol {tol:.2f}: {b} ({by_budget[b] / oracle:.2f})")
+        lines.append(f"{path.name} {key[0]} T={key[1]} {key[2]}  " + "  ".join(cells))
     return lines
 
 

@@ -36,7 +36,7 @@ def time_shape(n: int, k: int, rows_list: list[int], group_mib: int, reps: int, 
     usable = cpu_linear.candidates("auto", (n, k))  # the routes the engine's tuner chooses among for this shape
     calls: dict[str, Callable] = {r: partial(cpu_linear.run_route, r) for r in usable}
     if baseline is not None and "kernel" in usable:
-        calls["baseline"] = lambda x, w, b: baseline.skinny_linear(x, w, b)
+        calls["baseline"] = baseline.skinny_linear
     out = []
     for rows in rows_list:
         x = torch.randn(rows, k)

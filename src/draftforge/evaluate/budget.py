@@ -44,14 +44,14 @@ def predicted_tokens_per_s(tau: float | None, cost_s: float | None) -> float | N
 TIE_TOLERANCE = 0.03
 
 
-def choose_budget(curve: Curve) -> int | None:
-    """The smallest budget whose τ(b) / cost(b) is within TIE_TOLERANCE of the highest (a tie goes to less work).
+def choose_budget(curve: Curve, tolerance: float = TIE_TOLERANCE) -> int | None:
+    """The smallest budget whose τ(b) / cost(b) is within `tolerance` of the highest (a tie goes to less work).
     Budgets without a usable τ or cost are skipped; None when none is usable."""
     rates = {int(b): r for b, r in ((b, predicted_tokens_per_s(*curve[b])) for b in curve) if r is not None}
     if not rates:
         return None
     top = max(rates.values())
-    return min(b for b, r in rates.items() if r >= (1.0 - TIE_TOLERANCE) * top)
+    return min(b for b, r in rates.items() if r >= (1.0 - tolerance) * top)
 
 
 def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[int, tuple[float | None, float | None]]]:
