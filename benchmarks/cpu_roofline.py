@@ -135,12 +135,11 @@ def dspark_of(d: DFlashDrafter) -> DFlashDrafter:
     return ds.eval()
 
 
-def warm_up(tm, method, prompt: list[int], budget: int | None) -> None:
-    """A short untimed decode, then every product route a decode may meet chosen (rows 1 … 17 and budget + 1: a
-    Markov tree's bias product takes up to 16), as the evaluate stage's warm-up does: no timed round pays for a
-    route's timing."""
+def warm_up(tm, method, prompt: list[int], budget: int | None, block: int) -> None:
+    """A short untimed decode, then every product route a decode may meet chosen, by the evaluate stage's rule
+    (cpu_linear.decode_rows): no timed round pays for a route's timing."""
     generate(tm, method, prompt, 4)
-    cpu_linear.pretune(sorted(set(range(1, 18)) | ({budget + 1} if budget else set())))
+    cpu_linear.pretune(sorted(cpu_linear.decode_rows(block, [budget] if budget else [])))
 
 
 def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
@@ -232,7 +231,7 @@ def main() -> None:
         rec["draft" + (f"_{tag}" if tag else "")] = {"ms": draft_ms, **dfl, "over_floor": draft_ms / dfl["floor_ms"],
                                                      "over_ar": draft_ms / ar_ms}  # fmt: skip
         for name, b in [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
-            warm_up(tm, make_method(name, tm, drafter, b), prompt, b)
+            warm_up(tm, make_method(name, tm, drafter, b), prompt, b, drafter.cfg.block_size)
             res = generate(tm, make_method(name, tm, drafter, b), prompt, n_tok)
             rt = round_times(res, 1)
             n_verify = (b + 1) if b else d.cfg.block_size
@@ -242,7 +241,7 @@ def main() -> None:
     if args.dspark:  # the DSpark methods on a DSpark drafter of the same backbone (random heads, rank 256)
         ds = dspark_of(d)
         for name, b in (("dflash", None), ("dspark", None), ("ddtree", 64), ("ddtree_markov", 64)):
-            warm_up(tm, make_method(name, tm, ds, b), prompt, b)
+            warm_up(tm, make_method(name, tm, ds, b), prompt, b, ds.cfg.block_size)
             rt = round_times(generate(tm, make_method(name, tm, ds, b), prompt, n_tok), 1)
             rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
     if args.compare_routes or args.compare_kernel:
@@ -329,7 +328,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
                 way = ("auto", other)[i % 2]
                 t = use(way)
                 if i < 2:
-                    warm_up(t, make_method(name, t, d, b), prompt, b)
+                    warm_up(t, make_method(name, t, d, b), prompt, b, d.cfg.block_size)
                 rounds[way].append(round_times(generate(t, make_method(name, t, d, b), prompt, n_tok), 1)["round_ms"])
             auto, alt = min(rounds["auto"]), min(rounds[other])
             out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, f"{other}_ms": alt,

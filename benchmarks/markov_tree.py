@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from draftforge.engine import cpu_linear  # noqa: E402
-from draftforge.engine.dspark import build_markov_tree, markov_batch  # noqa: E402
+from draftforge.engine.dspark import build_markov_tree  # noqa: E402
 from draftforge.engine.tree import build_tree, draft_topk  # noqa: E402
 
 
@@ -44,11 +44,8 @@ def main() -> None:
     def bias(prev: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(w1[prev], w2)
 
-    def engine(bonus: int, logits: torch.Tensor, bias_fn, budget: int):
-        return build_markov_tree(bonus, logits, bias_fn, budget, batch=markov_batch(budget))
-
     cpu_linear.pretune(range(1, 17))
-    builders = {"engine": engine}
+    builders = {"engine": build_markov_tree}
     if args.other:
         spec = importlib.util.spec_from_file_location("other", args.other)
         mod = importlib.util.module_from_spec(spec)

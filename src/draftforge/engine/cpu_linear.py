@@ -165,6 +165,13 @@ def _choose(group: _Group, p: str, rows: int, w0: torch.Tensor) -> str:
     return route
 
 
+def decode_rows(block: int, budgets: Iterable[int]) -> set[int]:
+    """Row counts the products of a decode may see: a drafter's context chunk or a chain's verify (1 … block + 1,
+    at least 1 … 17: an MTP round, short chunks, a Markov tree's bias product of up to 16 nodes) and a tree's
+    verify (budget + 1 for each budget)."""
+    return set(range(1, max(block, 16) + 2)) | {int(b) + 1 for b in budgets}
+
+
 def pretune(rows: Iterable[int]) -> int:
     """Choose now, under the current policy, the route of every registered shape for each row count in `rows` that
     has none yet → pairs tuned. A decode met a new (shape, rows) pair mid-generation otherwise and paid its

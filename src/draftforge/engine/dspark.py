@@ -101,7 +101,7 @@ class DDTreeMarkov(_MarkovBase):
         return self.base_logits(bonus, start)
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
-        return build_markov_tree(bonus, drafted, self.bias, self.budget, batch=markov_batch(self.budget))
+        return build_markov_tree(bonus, drafted, self.bias, self.budget)
 
 
 def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: torch.Tensor, k: int = 32) -> int:
@@ -134,13 +134,13 @@ def markov_batch(budget: int) -> int:
     return 4 if budget <= 8 else 8
 
 
-def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int = 4) -> Tree:
+def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int | None = None) -> Tree:
     """The `budget` best prefixes, where a node at depth d with token x has children ranked by
     log_softmax(base[d] + bias(x)) (fp32, full vocabulary), top K = min(budget, V) of them.
 
     Best-first with lazy expansion: a node's children (one r × V bias row, log-softmax and top-K over V) are
-    computed only once the node is accepted, `batch` frontier nodes at a time (one (m, r) × (r, V) product per
-    round). While fewer than `budget` nodes are accepted, the best `batch` of the frontier are accepted; after
+    computed only once the node is accepted, `batch` frontier nodes at a time (default `markov_batch(budget)`; one
+    (m, r) × (r, V) product per round). While fewer than `budget` nodes are accepted, the best `batch` of the frontier are accepted; after
     that, a frontier node that beats the budget-th accepted one is (it enters, pushing the last one out). It
     ends when no frontier node beats it: every accepted node is expanded and the budget-th best prefix cannot
     improve, so the `budget` best accepted are the `budget` best prefixes (a child never outscores its parent:
@@ -151,6 +151,7 @@ def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: 
     shallower first on a tie: parents precede children (the verify input is topologically ordered)."""
     depth_max, V = base.shape
     k = min(budget, V)
+    batch = markov_batch(budget) if batch is None else batch
     tree = Tree(tokens=[bonus], parents=[-1], depths=[0], scores=[0.0])
     if budget <= 0 or depth_max == 0:
         return tree

@@ -123,10 +123,9 @@ def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
 
 
 def decode_rows(es: EngineSet, plan: Sequence[MethodCfg]) -> set[int]:
-    """Row counts the products of a decode of `plan` may see: a drafter's context chunk or a chain's verify
-    (1 … block + 1), a tree's verify (budget + 1), and at least 1 … 17 (an MTP round, short chunks)."""
+    """Row counts the products of a decode of `plan` may see (engine/cpu_linear.decode_rows)."""
     block = int(getattr(es.drafter, "block", 0) or 0)
-    return set(range(1, max(block, 16) + 2)) | {int(b) + 1 for _, b in plan if b is not None}
+    return cpu_linear.decode_rows(block, [b for _, b in plan if b is not None])
 
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
