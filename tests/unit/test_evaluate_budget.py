@@ -67,6 +67,25 @@ def test_calibration_curves_tau_first_repeat_cost_median():
     assert tau == 2.0 and cost == pytest.approx(0.3 / 2)  # median decode_s 0.3 over 2 rounds
 
 
+def test_calibration_cost_is_pooled_over_sets_and_tau_is_each_sets_own():
+    """A slow period of the host during set a's budget-8 calibration (its rounds take 2x) would make a choose 4
+    alone; pooled with set b's rounds at the same budget the cost is the engine's, and a's higher τ at 8 wins."""
+    cal = dict(split="calibration")
+    recs = [_rec("ddtree", 4, 0, 0.40, accepts=(2,) * 4, dataset="a", **cal),  # τ 2.0, 0.10 s per round
+            _rec("ddtree", 8, 0, 0.96, accepts=(3,) * 4, dataset="a", **cal),  # τ 3.0, 0.24 s per round: slow host
+            _rec("ddtree", 4, 0, 0.40, accepts=(1,) * 4, dataset="b", **cal),
+            _rec("ddtree", 8, 0, 0.24 * 3, accepts=(1,) * 12, dataset="b", **cal)]  # 0.06 s per round
+    assert choose_budget({4: (2.0, 0.10), 8: (3.0, 0.24)}) == 4  # 20 vs 12.5 tok/s on set a's own timings
+    curves = calibration_curves(recs)
+    assert curves[("a", 0.0, "ddtree")][8] == (3.0, pytest.approx((0.96 + 0.72) / 16))  # 0.105 s: every set's rounds
+    assert curves[("b", 0.0, "ddtree")][8] == (1.0, pytest.approx((0.96 + 0.72) / 16))  # τ stays each set's own
+    assert curves[("a", 0.0, "ddtree")][4] == (2.0, pytest.approx(0.10))
+    assert choose_budget(curves[("a", 0.0, "ddtree")]) == 8  # 28.6 vs 20 tok/s
+    assert choose_budget(curves[("b", 0.0, "ddtree")]) == 4
+    hot = [dict(r, temperature=1.0) for r in recs[:2]]  # another temperature pools apart
+    assert calibration_curves(recs + hot)[("a", 1.0, "ddtree")][8] == (3.0, pytest.approx(0.24))
+
+
 def test_rows_carry_median_spread_and_auto_best_flags():
     records = []
     # three repeats; repeat 1 is a slow period for every config alike

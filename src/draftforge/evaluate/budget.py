@@ -3,8 +3,13 @@
 Per (dataset, temperature, tree method) evaluate runs every budget on calibration prompts, which are not
 the evaluation prompts (evaluate/prompts.py: the next ones of the same held-out pool), and measures
 
-- τ(b): tokens committed per round (target verify), bonus included, over all calibration rounds;
-- cost(b): the mean round time, decode seconds ÷ rounds, its median over the timed repeats.
+- τ(b): tokens committed per round (target verify), bonus included, over the set's calibration rounds;
+- cost(b): the mean round time, decode seconds ÷ rounds, pooled over every set's calibration rounds at that
+  (temperature, method, budget), its median over the timed repeats. A round's cost is the engine's at that
+  budget, not the prompts': its draft pass and its verify of a b-node tree do not depend on which set the prompt
+  came from (a set's longer contexts raise every budget's cost alike, which leaves the choice unchanged), while
+  its timing does depend on when it ran. Pooling times every set's rounds, spread over the stage's whole length,
+  so a slow period of the host during one set's calibration no longer picks that set's budget.
 
 τ(b) / cost(b) is the predicted decode tokens per second; `choose_budget` picks the budget maximising it (the
 smallest within TIE_TOLERANCE of the maximum).
@@ -35,12 +40,12 @@ def predicted_tokens_per_s(tau: float | None, cost_s: float | None) -> float | N
     return tau / cost_s if _usable(tau) and _usable(cost_s) else None
 
 
-# Predicted rates within this fraction of the best are ties. Two calibration prompts per set measure a rate to a
-# few per cent (host noise on the cost, prompt sampling on τ); a larger budget that wins by less than that is as
-# likely noise as not, and it loses more where it is wrong (its verify costs more). On the 2-core CPU, 3% turned the
-# two misses of the auto budget in four default runs (0.79 and 0.81 of the oracle's tokens/s, both a budget-8 tree
-# that won by < 3% in calibration) into the oracle's choice, and cost at most 3% elsewhere (docs/benchmarks.md,
-# "The kernel prefetches at every row count …", the auto budget's ties).
+# Predicted rates within this fraction of the best are ties. Two calibration prompts per set measure τ to a few
+# per cent (prompt sampling); a larger budget that wins by less than that is as likely noise as not, and it loses
+# more where it is wrong (its verify costs more). Replayed on the 49 (set, temperature) groups of ten recorded CPU
+# evaluate stages (benchmarks/auto_budget_replay.py; docs/benchmarks.md, "The auto budget's round cost, pooled over
+# the sets"), auto ÷ oracle tokens/s: per-set costs 0.966 mean at tolerance 0 and 0.972 at 3%; pooled costs 0.979
+# and 0.982, with 3 and 2 groups below 0.9.
 TIE_TOLERANCE = 0.03
 
 
@@ -57,30 +62,43 @@ def choose_budget(curve: Curve, tolerance: float = TIE_TOLERANCE) -> int | None:
 def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[int, tuple[float | None, float | None]]]:
     """Calibration response records → {(dataset, temperature, method): {budget: (τ, cost_s)}} for tree methods.
 
-    τ from the first repeat (tokens are the same in every repeat at T = 0); cost = the median over repeats
-    of that repeat's decode seconds ÷ rounds (so a slow period that lands on one repeat is dropped).
+    τ from the set's first repeat (tokens are the same in every repeat at T = 0); cost = the median over repeats
+    of that repeat's decode seconds ÷ rounds, summed over every set's records at the same (temperature, method,
+    budget) (so a slow period that lands on one repeat is dropped, and one that lands on one set is diluted).
     """
     groups: dict[tuple, dict[int, dict[int, list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in records:
         if r["method"] in tree_methods() and r.get("budget") is not None:
             key = (r["dataset"], float(r["temperature"]), r["method"])
             groups[key][int(r["budget"])][int(r.get("repeat", 0))].append(r)
+    pooled = _pooled_round_costs(groups)
     curves: dict[tuple, dict[int, tuple[float | None, float | None]]] = {}
     for key, by_budget in groups.items():
         curve: dict[int, tuple[float | None, float | None]] = {}
         for budget, by_repeat in by_budget.items():
-            first = by_repeat[min(by_repeat)]
-            accepts = [a for r in first for a in r["accept_lengths"]]
+            accepts = [a for r in by_repeat[min(by_repeat)] for a in r["accept_lengths"]]
             tau = sum(accepts) / len(accepts) if accepts else None
-            costs = []
-            for rs in by_repeat.values():
-                rounds = sum(len(r["accept_lengths"]) for r in rs)
-                decode_s = sum(r["decode_s"] for r in rs)
-                if rounds and decode_s > 0:
-                    costs.append(decode_s / rounds)
-            curve[budget] = (tau, statistics.median(costs) if costs else None)
+            curve[budget] = (tau, pooled.get((key[1], key[2], budget)))
         curves[key] = curve
     return curves
+
+
+def _pooled_round_costs(groups: Mapping[tuple, Mapping[int, Mapping[int, list[dict[str, Any]]]]]) -> dict[tuple, float]:
+    """{(temperature, method, budget): seconds per round}: per repeat, decode seconds ÷ rounds over every set's
+    records; the median over repeats. Absent where no repeat timed a round."""
+    seconds: dict[tuple, float] = defaultdict(float)
+    rounds: dict[tuple, int] = defaultdict(int)
+    for (_, temperature, method), by_budget in groups.items():
+        for budget, by_repeat in by_budget.items():
+            for repeat, rs in by_repeat.items():
+                k = (temperature, method, budget, repeat)
+                seconds[k] += sum(r["decode_s"] for r in rs)
+                rounds[k] += sum(len(r["accept_lengths"]) for r in rs)
+    per_repeat: dict[tuple, list[float]] = defaultdict(list)
+    for k, n in rounds.items():
+        if n and seconds[k] > 0:
+            per_repeat[k[:3]].append(seconds[k] / n)
+    return {k: statistics.median(v) for k, v in per_repeat.items()}
 
 
 def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, Any]], requested: int) -> None:
@@ -88,7 +106,8 @@ def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, An
 
     Every tree-method row gets `auto_budget` (bool: this row's budget is the calibrated choice),
     `calibration_prompts` (calibration prompts measured for its dataset), `calibration_tau`,
-    `calibration_round_ms` and `calibration_tokens_per_s` (τ / cost at its budget), and `auto_vs_best`:
+    `calibration_round_ms` (the round cost pooled over the sets, see the module docstring) and
+    `calibration_tokens_per_s` (τ / cost at its budget), and `auto_vs_best`:
     the auto budget's evaluation tokens/s ÷ the oracle-best budget's (the same on every row of the group;
     None without an auto budget, then `auto_budget_note` says why). Call after `mark_best`.
     """
