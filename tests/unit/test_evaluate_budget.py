@@ -202,7 +202,7 @@ def test_report_renders_spread_and_both_budgets(tmp_path):
     line = budget_choice_lines([choice])[0]
     assert f"{AUTO_NAME}: 32" in line and f"{BEST_NAME}: 16" in line and "auto = **92%**" in line
     assert "dflash/`ddtree`" in line
-    assert "2 calibration prompt(s)" in line
+    assert "2 calibration prompt(s)" in line and "round 140.0 ms (pooled over the sets) = 11.4" in line
     off = budget_choice_lines(budget_choices(_report_rows(with_auto=False)))[0]
     assert f"{AUTO_NAME}: none — calibration disabled" in off and f"{BEST_NAME}: 16" in off
     header = summary_csv(rows).splitlines()[0].split(",")

@@ -160,7 +160,7 @@ def budget_choice_lines(choices: list[dict[str, Any]]) -> list[str]:
             auto_text = (f"{AUTO_NAME}: {auto.get('budget')} — {with_spread(auto, 'tokens_per_s', 1)} tok/s, "
                          f"τ {fmt(auto.get('tau'))}, speedup {with_spread(auto, 'speedup_vs_ar', 2)}× vs AR "
                          f"(chosen on {c['calibration_prompts']} calibration prompt(s): τ {fmt(auto.get('calibration_tau'))} ÷ "
-                         f"round {fmt(auto.get('calibration_round_ms'), 1)} ms = {fmt(auto.get('calibration_tokens_per_s'), 1)} "
+                         f"round {fmt(auto.get('calibration_round_ms'), 1)} ms (pooled over the sets) = {fmt(auto.get('calibration_tokens_per_s'), 1)} "
                          f"tok/s predicted)")
         ratio = f"; auto = **{100 * c['auto_vs_best']:.0f}%** of the oracle's tokens/s" if c["auto_vs_best"] is not None else ""
         why = f". Below {100 * AUTO_GOAL:.0f}%: " + "; ".join(c["why"]) if c.get("why") else ""
