@@ -10,6 +10,12 @@ its evaluation tokens/s ÷ the oracle budget's, under two cost rules and two tie
     PYTHONPATH=src python benchmarks/auto_budget_replay.py docs/cpu-runs/*/evaluate-*.json
 
 The last lines summarise each rule over every group: mean and lowest auto ÷ oracle, and how many fall below 0.9.
+
+`--records DIR` replays exactly instead, where a stage's responses are still at hand: it aggregates every response of
+`results/<exp>/evaluate/<drafter>/<dataset>.json` with the current code (`evaluate.aggregate`, which calls
+`budget.mark_auto`) and prints each tree budget's calibration τ, round cost, predicted rate and evaluation tokens/s.
+
+    PYTHONPATH=src python benchmarks/auto_budget_replay.py --records results/default/evaluate/dflash_aw_b4
 """
 
 from __future__ import annotations
@@ -49,10 +55,33 @@ def replay(path: Path, rules: list[Rule]) -> list[tuple[str, dict[Rule, float]]]
     return out
 
 
+def replay_records(folder: Path, calibration_prompts: int) -> list[str]:
+    """One line per tree-method row of the stage's responses aggregated by the current code."""
+    from draftforge.evaluate.aggregate import aggregate
+
+    records = []
+    for f in sorted(folder.glob("*.json")):
+        if f.name not in ("evaluate.json", "provenance.json"):
+            records += json.loads(f.read_text())["responses"]
+    lines = []
+    for r in aggregate(records, calibration_prompts=calibration_prompts):
+        if r.get("calibration_round_ms") is not None:
+            lines.append(f"{r['dataset']} T={r['temperature']} {r['method']} budget {r['budget']}: calibration τ "
+                         f"{r['calibration_tau']:.2f}, round {r['calibration_round_ms']:.1f} ms, predicted "
+                         f"{r['calibration_tokens_per_s']:.1f} tok/s; evaluation {r['tokens_per_s']:.1f} tok/s"
+                         f"{'  <- auto' if r['auto_budget'] else ''}; auto ÷ oracle {r['auto_vs_best']:.3f}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("files", nargs="*", type=Path)
+    ap.add_argument("--records", type=Path, help="an evaluate/<drafter> folder: replay its responses exactly")
+    ap.add_argument("--calibration-prompts", type=int, default=2, help="the stage's evaluate.calibration_prompts")
     args = ap.parse_args()
+    if args.records:
+        print("\n".join(replay_records(args.records, args.calibration_prompts)))
+        return
     rules: list[Rule] = [(c, t) for c in ("own", "pooled") for t in (0.0, budget.TIE_TOLERANCE)]
     every: dict[Rule, list[float]] = defaultdict(list)
     for f in args.files:
