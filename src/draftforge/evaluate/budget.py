@@ -9,7 +9,10 @@ the evaluation prompts (evaluate/prompts.py: the next ones of the same held-out 
   budget, not the prompts': its draft pass and its verify of a b-node tree do not depend on which set the prompt
   came from (a set's longer contexts raise every budget's cost alike, which leaves the choice unchanged), while
   its timing does depend on when it ran. Pooling times every set's rounds, spread over the stage's whole length,
-  so a slow period of the host during one set's calibration no longer picks that set's budget.
+  so a slow period of the host during one set's calibration is diluted by the other sets' rounds. The premise
+  holds while the weights dominate a round (prompts of a few hundred tokens, as the default sets'); a set of
+  much longer prompts (`long_context`), whose attention grows with the tree's rows, bends the pooled curve
+  toward its own, and its auto ÷ oracle in the report shows what that costs.
 
 τ(b) / cost(b) is the predicted decode tokens per second; `choose_budget` picks the budget maximising it (the
 smallest within TIE_TOLERANCE of the maximum).
