@@ -70,11 +70,19 @@ def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[in
     budget) (so a slow period that lands on one repeat is dropped, and one that lands on one set is diluted).
     """
     groups: dict[tuple, dict[int, dict[int, list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    seconds: dict[tuple, float] = defaultdict(float)  # (temperature, method, budget, repeat) → every set's decode s
+    rounds: dict[tuple, int] = defaultdict(int)  # the same key → every set's rounds
     for r in records:
         if r["method"] in tree_methods() and r.get("budget") is not None:
-            key = (r["dataset"], float(r["temperature"]), r["method"])
-            groups[key][int(r["budget"])][int(r.get("repeat", 0))].append(r)
-    pooled = _pooled_round_costs(groups)
+            temperature, budget, repeat = float(r["temperature"]), int(r["budget"]), int(r.get("repeat", 0))
+            groups[(r["dataset"], temperature, r["method"])][budget][repeat].append(r)
+            seconds[(temperature, r["method"], budget, repeat)] += r["decode_s"]
+            rounds[(temperature, r["method"], budget, repeat)] += len(r["accept_lengths"])
+    per_repeat: dict[tuple, list[float]] = defaultdict(list)
+    for k, n in rounds.items():
+        if n and seconds[k] > 0:
+            per_repeat[k[:3]].append(seconds[k] / n)
+    pooled = {k: statistics.median(v) for k, v in per_repeat.items()}  # (temperature, method, budget) → s per round
     curves: dict[tuple, dict[int, tuple[float | None, float | None]]] = {}
     for key, by_budget in groups.items():
         curve: dict[int, tuple[float | None, float | None]] = {}
@@ -84,24 +92,6 @@ def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[in
             curve[budget] = (tau, pooled.get((key[1], key[2], budget)))
         curves[key] = curve
     return curves
-
-
-def _pooled_round_costs(groups: Mapping[tuple, Mapping[int, Mapping[int, list[dict[str, Any]]]]]) -> dict[tuple, float]:
-    """{(temperature, method, budget): seconds per round}: per repeat, decode seconds ÷ rounds over every set's
-    records; the median over repeats. Absent where no repeat timed a round."""
-    seconds: dict[tuple, float] = defaultdict(float)
-    rounds: dict[tuple, int] = defaultdict(int)
-    for (_, temperature, method), by_budget in groups.items():
-        for budget, by_repeat in by_budget.items():
-            for repeat, rs in by_repeat.items():
-                k = (temperature, method, budget, repeat)
-                seconds[k] += sum(r["decode_s"] for r in rs)
-                rounds[k] += sum(len(r["accept_lengths"]) for r in rs)
-    per_repeat: dict[tuple, list[float]] = defaultdict(list)
-    for k, n in rounds.items():
-        if n and seconds[k] > 0:
-            per_repeat[k[:3]].append(seconds[k] / n)
-    return {k: statistics.median(v) for k, v in per_repeat.items()}
 
 
 def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, Any]], requested: int) -> None:
