@@ -42,32 +42,59 @@ def _fuse(linears: list[nn.Linear], bias: bool) -> torch.Tensor:
     return fused
 
 
+def _views_of(linears: list[nn.Linear], fused: torch.Tensor | None, bias: bool) -> bool:
+    """Whether each Linear's weight (or bias) is still its row range of `fused` (None: nothing was fused).
+
+    A module `.to(device or dtype)` or a parameter reassigned gives the Linears new tensors and leaves a fused
+    copy stale: its values and placement are no longer the model's."""
+    if fused is None:
+        return True
+    start, row_bytes = 0, fused.stride(0) * fused.element_size()
+    for lin in linears:
+        p = lin.bias if bias else lin.weight
+        if p is None or p.device != fused.device or p.dtype != fused.dtype \
+                or p.data_ptr() != fused.data_ptr() + start * row_bytes:
+            return False
+        start += p.shape[0]
+    return start == fused.shape[0]
+
+
 def _dense_mlp(mlp: nn.Module) -> bool:
     return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) and not hasattr(mlp, "experts")
 
 
+def _projections(layer: nn.Module, kind: str) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """The Linears a layer fuses: q/k/v (attention layers) and gate/up (bias-free dense MLPs); [] where none."""
+    qkv = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj] if kind == "attention" else []
+    mlp = layer.mlp
+    gu = [mlp.gate_proj, mlp.up_proj] if _dense_mlp(mlp) and mlp.gate_proj.bias is None and mlp.up_proj.bias is None \
+        else []
+    return qkv, gu
+
+
 @torch.no_grad()
 def fuse_projections(tm: Any) -> list[FusedLayer]:
-    """Per layer: fused q/k/v (attention layers) and gate/up (dense MLPs); idempotent."""
+    """Per layer: fused q/k/v (attention layers) and gate/up (dense MLPs); idempotent while the weights stay
+    where they were fused (a layer whose Linears moved or were reassigned since is fused again from them)."""
     out = []
     for layer, kind in zip(tm.layers, tm.kinds):
+        qkv, gu = _projections(layer, kind)
         cached = getattr(layer, "_draftforge_fused", None)
-        if cached is not None:
+        if cached is not None and _views_of(qkv, cached.wqkv, False) and _views_of(qkv, cached.bqkv, True) \
+                and _views_of(gu, cached.wgu, False):
             out.append(cached)
             continue
         wqkv = bqkv = wgu = None
         q_out = kv_out = 0
-        if kind == "attention":
-            a = layer.self_attn
-            lins = [a.q_proj, a.k_proj, a.v_proj]
-            q_out, kv_out = a.q_proj.out_features, a.k_proj.out_features
-            has_bias = [lin.bias is not None for lin in lins]
+        if qkv:
+            q_out, kv_out = qkv[0].out_features, qkv[1].out_features
+            has_bias = [lin.bias is not None for lin in qkv]
             if any(has_bias) and not all(has_bias):
                 raise ValueError("compiled engine: q/k/v projections with biases on some but not all of them")
-            wqkv = _fuse(lins, bias=False)
-            bqkv = _fuse(lins, bias=True) if all(has_bias) else None
-        if _dense_mlp(layer.mlp) and layer.mlp.gate_proj.bias is None and layer.mlp.up_proj.bias is None:
-            wgu = _fuse([layer.mlp.gate_proj, layer.mlp.up_proj], bias=False)
+            wqkv = _fuse(qkv, bias=False)
+            bqkv = _fuse(qkv, bias=True) if all(has_bias) else None
+        if gu:
+            wgu = _fuse(gu, bias=False)
         fl = FusedLayer(wqkv=wqkv, bqkv=bqkv, q_out=q_out, kv_out=kv_out, wgu=wgu)
         layer._draftforge_fused = fl
         out.append(fl)
@@ -82,14 +109,15 @@ class FusedDraftLayer:
 
 @torch.no_grad()
 def fuse_drafter(drafter: nn.Module) -> list[FusedDraftLayer]:
-    """Per drafter layer: fused q/k/v and gate/up weights (views re-pointed as in `fuse_projections`)."""
+    """Per drafter layer: fused q/k/v and gate/up weights (views re-pointed and re-fused after a move, as in
+    `fuse_projections`)."""
     out = []
     for layer in drafter.layers:
+        a, m = layer.self_attn, layer.mlp
+        qkv, gu = [a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]
         cached = getattr(layer, "_draftforge_fused", None)
-        if cached is None:
-            a, m = layer.self_attn, layer.mlp
-            cached = FusedDraftLayer(wqkv=_fuse([a.q_proj, a.k_proj, a.v_proj], bias=False),
-                                     wgu=_fuse([m.gate_proj, m.up_proj], bias=False))
+        if cached is None or not (_views_of(qkv, cached.wqkv, False) and _views_of(gu, cached.wgu, False)):
+            cached = FusedDraftLayer(wqkv=_fuse(qkv, bias=False), wgu=_fuse(gu, bias=False))
             layer._draftforge_fused = cached
         out.append(cached)
     return out

@@ -39,7 +39,7 @@ from draftforge.engine import gdn
 from draftforge.engine.capture import align, capture_graph
 from draftforge.engine.draft import DrafterContext, StaticDraft
 from draftforge.engine.state import CapacityError, TargetState
-from draftforge.engine.target import LayerRuntime, Step, TargetModel, run_layers
+from draftforge.engine.target import LayerRuntime, Step, TargetModel, eager_runtime, run_layers
 from draftforge.engine.tree import Tree, ancestor_matrix
 
 
@@ -111,9 +111,10 @@ class CapturedEngine:
         # would leave SMs idle: faster or equal at every verify size measured on an H200 (docs/benchmarks.md,
         # "Split-KV attention"), so on by default.
         fuse = fused or compile
+        eager = eager_runtime(tm)
         self.runtime = LayerRuntime(
-            fused=fused_blocks.fuse_projections(tm) if fuse else tm.runtime.fused,
-            blocks=fused_blocks.layer_blocks(compiled=compile) if fuse else tm.runtime.blocks,
+            fused=fused_blocks.fuse_projections(tm) if fuse else eager.fused,
+            blocks=fused_blocks.layer_blocks(compiled=compile) if fuse else eager.blocks,
             split_attention=split_attention and fuse, gdn_mixers=gdn_mixers)
         self.capacity = align(int(capacity))
         dev, dt = tm.device, tm.dtype

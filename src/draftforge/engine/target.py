@@ -47,7 +47,8 @@ class TargetModel:
     slots: tuple[int, ...] = ()  # per layer: its index among the layers of its kind (state rows)
     gdn: gdn.GDNShape | None = None
     _tap_pos: dict[int, int] = field(default_factory=dict)
-    runtime: Any = None  # LayerRuntime of the eager engine: unfused weights, plain blocks (set by wrap_target)
+    runtime: Any = None  # LayerRuntime of the eager engine, for `runtime_at`'s placement (see eager_runtime)
+    runtime_at: tuple[torch.device, torch.dtype] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -127,19 +128,34 @@ def wrap_target(model: nn.Module, tap_ids: Sequence[int] = ()) -> TargetModel:
         gdn=gdn.gdn_shape(first_gdn) if first_gdn is not None else None,
         _tap_pos={t: i for i, t in enumerate(taps)},
     )
+    eager_runtime(tm)
+    return tm
+
+
+def eager_runtime(tm: TargetModel) -> LayerRuntime:
+    """The eager engine's LayerRuntime for where the model is now; built on first use and again after the model
+    moved (`tm.hf.to(device or dtype)`), so no engine reads weights fused for another placement. Weights changed
+    in place (an in-place update, `load_state_dict`) reach the fused tensors through their views; a Linear
+    parameter replaced by another object at the same placement is not seen here: wrap the model again.
+
+    On a CPU in fp32: q/k/v and gate/up fused, every product on its measured route (engine/cpu_linear.py).
+    Elsewhere: the HF projections one by one (the captured engine fuses its own, engine/fused.py)."""
+    at = (tm.device, tm.dtype)
+    if tm.runtime is not None and tm.runtime_at == at:
+        return tm.runtime
     from draftforge.engine import cpu_linear
     from draftforge.engine.fused import fuse_projections, plain_blocks
 
-    fused = [FusedLayer() for _ in kinds]
-    if tm.device.type == "cpu" and tm.dtype == torch.float32:  # CPU: fused q/k/v and gate/up, routed products
+    fused = [FusedLayer() for _ in tm.kinds]
+    if at == (torch.device("cpu"), torch.float32):
         fused = fuse_projections(tm)
         for fl in fused:
             for w in (fl.wqkv, fl.wgu):
                 if w is not None:
                     cpu_linear.register(w)
-    cpu_linear.route_linears(model)  # engine/cpu_linear.py; a no-op off the CPU
-    tm.runtime = LayerRuntime(fused=fused, blocks=plain_blocks())
-    return tm
+    cpu_linear.route_linears(tm.hf)  # a no-op off the CPU
+    tm.runtime, tm.runtime_at = LayerRuntime(fused=fused, blocks=plain_blocks()), at
+    return tm.runtime
 
 
 def rope_tables(tm: TargetModel, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +240,7 @@ def forward(tm: TargetModel, state: TargetState, span: Span, want_taps: bool = F
     step = Step(ids=span.ids, positions=span.positions, slots=torch.arange(past, past + n, device=dev),
                 kv_len=past + n, mask=fold_mask(span.mask, group), causal=span.mask is None and past == 0,
                 gdn=gdn.GDNSpan(span.depths, span.anc, span.anc_at, None, span.commit_all) if tm.hybrid else None)
-    h, taps = run_layers(tm, state, step, tm.runtime, want_taps)
+    h, taps = run_layers(tm, state, step, eager_runtime(tm), want_taps)
     if span.commit_all:
         state.commit_all()
     return h, taps
