@@ -52,3 +52,25 @@ def test_eager_engine_follows_a_dtype_move_and_refuses_stale_fused_weights() -> 
         ar = generate_ar(tm, p, 12).tokens
         ref = tm.hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
         assert ref and ar[: len(ref)] == ref  # HF's generate stops at its EOS; ours runs to 12
+
+
+def test_static_engine_fuses_again_after_the_target_and_drafter_moved() -> None:
+    """The GPU tests' order, on the CPU: fuse (a static engine with fused weights), move both models, build
+    another static engine: it must fuse the moved weights, not reuse the first engine's fp32 copies."""
+    from draftforge.engine import generate, make_method
+    from draftforge.engine.graph import CapturedEngine, verify_buckets
+    from engine_fixtures import tiny_drafter
+
+    tm = tiny_target("Qwen3ForCausalLM", vocab=16, seed=3)  # small vocab: drafts get accepted
+    d = tiny_drafter(tm, seed=3)
+    buckets = verify_buckets([d.cfg.block_size, 5])
+    CapturedEngine(tm, 128, buckets, drafter=d, fused=True)  # fuses target and drafter in fp32
+    tm.hf.to(torch.float64)
+    d.to(torch.float64)
+    eng = CapturedEngine(tm, 128, buckets, drafter=d, fused=True)
+    assert all(fl.wqkv is None or fl.wqkv.dtype == torch.float64 for fl in eng.runtime.fused)
+    p = prompt(tm.vocab_size, 9, seed=0)
+    ar = generate(tm, None, p, 16).tokens
+    assert generate(tm, None, p, 16, engine=eng).tokens == ar
+    for name, b in (("dflash", None), ("ddtree", 4)):
+        assert generate(tm, make_method(name, tm, d, b), p, 16, engine=eng).tokens == ar, name
