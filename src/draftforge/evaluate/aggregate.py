@@ -100,10 +100,23 @@ def by_category(all_rs: list[dict[str, Any]], ar_rs: list[dict[str, Any]], first
 
 def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibration_prompts: int = 0,
               check_bins: int = 10, check_alpha: float = 0.001) -> list[Row]:
-    """Rows of the eval records (all repeats); calibration records (split "calibration") choose the
-    auto budget when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0. check_bins /
-    check_alpha: the T > 0 rows' uniformity test (evaluate.sampling_check)."""
-    calibration = [r for r in records if r.get("split", "eval") == "calibration"]
+    """Rows of every set's records: `rows_of` the eval records, then the auto budget chosen from the calibration
+    records (split "calibration") when `calibration_prompts` (the requested evaluate.calibration_prompts) > 0
+    (`budget.mark_auto`, which pools the round cost over every set given here)."""
+    rows = rows_of(records, engine, check_bins, check_alpha)
+    mark_auto(rows, calibration_records(records), calibration_prompts)
+    return rows
+
+
+def calibration_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("split", "eval") == "calibration"]
+
+
+def rows_of(records: list[dict[str, Any]], engine: str = "draftforge", check_bins: int = 10,
+            check_alpha: float = 0.001) -> list[Row]:
+    """Rows of the eval records (all repeats; calibration records are skipped), the oracle budget marked; no auto
+    budget (that needs every set's calibration: `budget.mark_auto`). check_bins / check_alpha: the T > 0 rows'
+    uniformity test (evaluate.sampling_check)."""
     records = [r for r in records if r.get("split", "eval") == "eval"]
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -166,7 +179,6 @@ def aggregate(records: list[dict[str, Any]], engine: str = "draftforge", calibra
         if source_key:
             rows[-1][source_key] = rs[0].get(source_key)
     mark_best(rows)
-    mark_auto(rows, calibration, calibration_prompts)
     return rows
 
 

@@ -95,7 +95,8 @@ def calibration_curves(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[in
 
 
 def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, Any]], requested: int) -> None:
-    """Flag the auto budget on the tree rows and attach the calibration numbers.
+    """Flag the auto budget on the tree rows and attach the calibration numbers. Pass every set's rows and
+    calibration records at once: the round cost is pooled over the sets given (`calibration_curves`).
 
     Every tree-method row gets `auto_budget` (bool: this row's budget is the calibrated choice),
     `calibration_prompts` (calibration prompts measured for its dataset), `calibration_tau`,
@@ -130,6 +131,7 @@ def mark_auto(rows: list[dict[str, Any]], calibration_records: list[dict[str, An
         if auto_row is not None and best_row is not None and auto_row.get("tokens_per_s") and best_row.get("tokens_per_s"):
             ratio = auto_row["tokens_per_s"] / best_row["tokens_per_s"]
         for row in group:
+            row.pop("auto_budget_note", None)  # a row marked before (a reused set's) keeps no stale note
             tau, cost = curve.get(row["budget"], (None, None))
             row.update(auto_budget=auto is not None and row["budget"] == auto, calibration_prompts=len(prompts.get(key[0], ())),
                        calibration_tau=tau, calibration_round_ms=None if cost is None else 1000.0 * cost,

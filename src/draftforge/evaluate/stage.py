@@ -35,7 +35,8 @@ from draftforge.drafter.registry import (
 )
 from draftforge.drafter.settings import branch_methods
 from draftforge.errors import StageError
-from draftforge.evaluate.aggregate import aggregate
+from draftforge.evaluate.aggregate import calibration_records, rows_of
+from draftforge.evaluate.budget import mark_auto
 from draftforge.evaluate.config import EvaluateConfig
 from draftforge.evaluate.prompts import category_of, eval_and_calibration_sets, prompts_at
 from draftforge.evaluate.resume import clear_finished, dataset_key, load_finished, save_finished
@@ -232,11 +233,12 @@ def main(ctx) -> None:
 def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, Any], sets, calib, device,
                  dtype, mode: ChatMode, mismatch: str | None) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, Any]]]:
     """Time every dataset (a dataset finished by an interrupted run with the same inputs is reused); rank 0
-    writes each dataset's file and logs its rows. Returns (all rows, dataset → file, all response records) on
-    rank 0."""
+    writes each dataset's file as it finishes, then, with every set done, marks the auto budget over all of them
+    (the round cost is pooled over the sets: evaluate/budget.py), rewrites the files and logs every row. Returns
+    (all rows, dataset → file, all response records) on rank 0."""
     all_rows: list[dict[str, Any]] = []
     responses: list[dict[str, Any]] = []
-    files = {}
+    payloads: dict[str, dict[str, Any]] = {}
     upstream = [p for p in (ctx.input_marker("target"), ctx.input_dir("train") / STAGE_MARKERS["train"]) if p.is_file()]
     for dataset, prompts in sets.items():
         key = dataset_key(ctx, upstream, dataset, prompts, calib[dataset])
@@ -244,8 +246,7 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
         if done is not None:
             log.info("%s: reusing the %d rows finished by an interrupted run with the same inputs", dataset, len(done["rows"]))
             if ctx.is_rank0:
-                write_json(ctx.out_dir / f"{dataset}.json", done)
-                files[dataset] = f"{dataset}.json"
+                payloads[dataset] = done
                 all_rows += done["rows"]
                 responses += done.get("responses", [])
             continue
@@ -266,31 +267,36 @@ def run_datasets(ctx, cfg: EvaluateConfig, es: EngineSet, plan, info: dict[str, 
         categories = category_of(dataset, cfg)  # by pool index (prompts.py), one per set or one per prompt
         for r in records:
             r["category"] = categories if isinstance(categories, str) else categories[r["prompt_index"]]
-        rows = aggregate(records, calibration_prompts=cfg.calibration_prompts, check_bins=cfg.sampling_check.bins,
-                         check_alpha=cfg.sampling_check.alpha)
+        rows = rows_of(records, check_bins=cfg.sampling_check.bins, check_alpha=cfg.sampling_check.alpha)
         for row in rows:  # the branch (AR included: its tokens/s is this branch's speedup reference)
             row["drafter"] = ctx.drafter
             if mismatch:
                 row["chat_mode_mismatch"] = mismatch
         all_rows += rows
         responses += records
-        path = ctx.out_dir / f"{dataset}.json"
         payload = {"dataset": dataset, "engine": "draftforge", "target": info.get("name"), RECORD_KEY: mode.kwargs,
                    "chat_mode_mismatch": mismatch, "device": str(device),
                    "dtype": str(dtype).replace("torch.", ""), "note": BEST_NOTE, "rows": rows,
                    "responses": sorted(records, key=lambda r: (r["split"], r["repeat"], r["prompt_index"], r["turn"]))}
-        write_json(path, payload)
-        files[dataset] = path.name
-        log_rows(ctx, rows)
-        save_finished(ctx, dataset, key, payload)  # after its MLflow runs: a reused dataset is never logged twice
-        for row in rows:
-            flags = "".join(f" {f}" for f in ("auto_budget", "best_budget") if row.get(f))
-            log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f [%.1f..%.1f] tau=%.2f speedup=%.2f mismatches=%s%s", dataset,
-                     row["temperature"], row["method"], row["budget"], row["tokens_per_s"] or 0, row["tokens_per_s_min"] or 0,
-                     row["tokens_per_s_max"] or 0, row["tau"] or 0, row["speedup_vs_ar"] or 0, row["lossless_mismatches"], flags)
-            if row["repeat_mismatches"]:
-                log.warning("%s %s@%s: %d responses of later repeats differ from the first repeat's tokens", dataset,
-                            row["method"], row["budget"], row["repeat_mismatches"])
+        write_json(ctx.out_dir / f"{dataset}.json", payload)  # its auto budget comes once every set is done
+        payloads[dataset] = payload
+        save_finished(ctx, dataset, key, payload)
+    if not ctx.is_rank0:
+        return all_rows, {}, responses
+    mark_auto(all_rows, calibration_records(responses), cfg.calibration_prompts)  # marks the payloads' rows in place
+    files = {}
+    for dataset, payload in payloads.items():
+        write_json(ctx.out_dir / f"{dataset}.json", payload)
+        files[dataset] = f"{dataset}.json"
+    log_rows(ctx, all_rows)
+    for row in all_rows:
+        flags = "".join(f" {f}" for f in ("auto_budget", "best_budget") if row.get(f))
+        log.info("%s T=%s %-6s budget=%-5s tok/s=%.1f [%.1f..%.1f] tau=%.2f speedup=%.2f mismatches=%s%s", row["dataset"],
+                 row["temperature"], row["method"], row["budget"], row["tokens_per_s"] or 0, row["tokens_per_s_min"] or 0,
+                 row["tokens_per_s_max"] or 0, row["tau"] or 0, row["speedup_vs_ar"] or 0, row["lossless_mismatches"], flags)
+        if row["repeat_mismatches"]:
+            log.warning("%s %s@%s: %d responses of later repeats differ from the first repeat's tokens", row["dataset"],
+                        row["method"], row["budget"], row["repeat_mismatches"])
     return all_rows, files, responses
 
 
