@@ -15,6 +15,7 @@ from draftforge.errors import check
 SOURCE_KINDS = (
     "jsonl", "parquet", "hf_disk",  # generic files; records in ShareGPT, OpenAI or prompt/response form
     "chitchat", "chatterbot", "gsm_symbolic", "stdlib_code", "reasoning_gym",  # packaged default-world corpora
+    "target_queries",  # user queries sampled from the target's own chat template (curate/queries.py)
 )  # fmt: skip
 
 
@@ -30,7 +31,8 @@ class SourceConfig:
     sample: float = 1.0
     # Kind-specific: gsm_symbolic {seed, size}; reasoning_gym {tasks (task or family names), seed, size per task};
     # chitchat {max_turns}; chatterbot {categories};
-    # stdlib_code {tasks, tasks_per_function, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt}
+    # stdlib_code {tasks, tasks_per_function, max_function_lines, min_function_lines}; jsonl/parquet {format: auto|sharegpt|openai|prompt};
+    # target_queries {size, temperature, top_p, max_new_tokens, seed} (curate/queries.py QueryOptions)
     options: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -2,12 +2,13 @@
 
 Generic: `jsonl`, `parquet`, `hf_disk` (records in OpenAI `messages`, ShareGPT `conversations` or
 `prompt`/`response` form). Packaged default-world corpora: `chitchat`, `chatterbot`, `gsm_symbolic`,
-`stdlib_code` (see `packaged.py`). Nothing here holds more than one file's worth of one record batch,
+`stdlib_code` (see `packaged.py`). `target_queries`: queries the stage sampled from the target (`queries.py`). Nothing here holds more than one file's worth of one record batch,
 except the packaged chitchat JSON (a fixed 40 MB file).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,6 +129,11 @@ def iter_source(src: SourceConfig, *, min_chars: int, on_malformed: str, eval_cf
 
     if src.kind not in SOURCE_KINDS:
         raise StageError(f"curate.sources[{src.name}].kind: {src.kind!r} is not one of {SOURCE_KINDS}")
+    if src.kind == "target_queries":  # the stage sampled them into a prompt-form JSONL (curate/queries.py)
+        if src.path is None:
+            raise StageError(f"curate.sources[{src.name}]: kind target_queries is sampled by the curate stage "
+                             "(resolve_query_sources) before it can be read")  # fmt: skip
+        return iter_jsonl(dataclasses.replace(src, options={"format": "prompt"}), min_chars, on_malformed)
     generic = {"jsonl": iter_jsonl, "parquet": iter_parquet, "hf_disk": iter_hf_disk}
     if src.kind in generic:
         return generic[src.kind](src, min_chars, on_malformed)

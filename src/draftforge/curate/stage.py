@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from draftforge.chat import RECORD_KEY, ChatMode, prompt_ids
-from draftforge.curate.config import CurateConfig
+from draftforge.curate.config import CurateConfig, RegenerateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
 from draftforge.curate.regenerate import (
     HFBackend,
@@ -34,6 +34,7 @@ from draftforge.curate.regenerate import (
     read_chunk,
     run_regeneration,
 )  # fmt: skip
+from draftforge.curate.queries import synthesize
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
@@ -128,6 +129,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def target_backend(info: dict[str, Any], tokenizer: Any, rcfg: RegenerateConfig, eot: set[int]) -> Any:
+    """The target as a generation backend: vLLM when chosen, else HF generate (on the GPU when one is visible)."""
+    if choose_backend(rcfg) == "vllm":
+        return VLLMBackend(info["hf_path"], tokenizer, rcfg, eot)
+    from draftforge.target.load import load_target_model
+
+    if _cuda_available():
+        import torch
+
+        return HFBackend(load_target_model(info, dtype=getattr(torch, info.get("dtype") or "bfloat16"), device="cuda"),
+                         tokenizer, rcfg, eot)  # fmt: skip
+    return HFBackend(load_target_model(info), tokenizer, rcfg, eot)
+
+
 def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int], rows_path: Path,
                    sel: dict[str, Any], progress: bool, mode: ChatMode,
                    make_backend: Callable[[], Any] | None = None) -> tuple[Path, RegenStats]:
@@ -142,24 +157,28 @@ def regenerate_all(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tok
     key = sha256_json({"sel": sel["key"], "regen": dataclasses.asdict(rcfg), "backend": backend_key, "target": info["fingerprint"],
                        **({"chat": mode.kwargs} if mode.kwargs else {})})[:16]
     chunk_dir = ctx_work / f"regen-{key}"
-
-    def default_backend():  # noqa: ANN202
-        if backend_name == "vllm":
-            return VLLMBackend(info["hf_path"], tokenizer, rcfg, eot)
-        from draftforge.target.load import load_target_model
-
-        if hf_cuda:
-            import torch
-
-            return HFBackend(load_target_model(info, dtype=getattr(torch, info.get("dtype") or "bfloat16"), device="cuda"),
-                             tokenizer, rcfg, eot)  # fmt: skip
-        return HFBackend(load_target_model(info), tokenizer, rcfg, eot)
-
     stats = run_regeneration(
-        rows_path, sel["n_rows"], chunk_dir, rcfg, make_backend or default_backend,
+        rows_path, sel["n_rows"], chunk_dir, rcfg, make_backend or (lambda: target_backend(info, tokenizer, rcfg, eot)),
         lambda row: prompt_ids(tokenizer, row["messages"], mode), progress=progress,
     )  # fmt: skip
     return chunk_dir, stats
+
+
+def resolve_query_sources(ctx_work: Path, ccfg: CurateConfig, info: dict[str, Any], tokenizer: Any, eot: set[int],
+                          progress: bool, mode: ChatMode,
+                          make_backend: Callable[[RegenerateConfig], Any] | None = None) -> CurateConfig:
+    """Sample every `target_queries` source's queries (or reuse them) → the config with each such source reading
+    its sampled file as prompt-form JSONL."""
+    if not any(s.kind == "target_queries" for s in ccfg.sources):
+        return ccfg
+    factory = make_backend or (lambda rcfg: target_backend(info, tokenizer, rcfg, eot))
+    sources = []
+    for src in ccfg.sources:
+        if src.kind == "target_queries":
+            path = synthesize(ctx_work, src, ccfg.regenerate, tokenizer, mode, info["fingerprint"], factory, progress)
+            src = dataclasses.replace(src, path=str(path))
+        sources.append(src)
+    return dataclasses.replace(ccfg, sources=sources)
 
 
 def write_outputs(out_dir: Path, ccfg: CurateConfig, tokenizer: Any, eot: set[int], rows_path: Path, sel: dict[str, Any],
@@ -265,7 +284,8 @@ def totals(per_source: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
+def main(ctx: Any, make_backend: Callable[[], Any] | None = None,
+         make_query_backend: Callable[[RegenerateConfig], Any] | None = None) -> None:
     from draftforge.target.load import load_tokenizer, read_target_info
 
     t0 = time.perf_counter()
@@ -275,6 +295,7 @@ def main(ctx: Any, make_backend: Callable[[], Any] | None = None) -> None:
     tokenizer = load_tokenizer(info)
     eot = end_of_turn_ids(tokenizer, info.get("eos_token_ids") or ())
     progress = ctx.is_rank0
+    ccfg = resolve_query_sources(ctx.work_dir, ccfg, info, tokenizer, eot, progress, mode, make_query_backend)
     rows_path, sel = build_selection(ctx.work_dir, ctx.cfg, ccfg, tokenizer, info["fingerprint"], progress, mode)
     regen: RegenStats | None = None
     chunk_dir = None
