@@ -25,6 +25,7 @@ from tqdm import tqdm
 from draftforge.chat import RECORD_KEY, ChatMode, prompt_ids
 from draftforge.curate.config import CurateConfig, RegenerateConfig
 from draftforge.curate.decontam import Decontaminator, read_prompt_file
+from draftforge.curate.queries import synthesize
 from draftforge.curate.regenerate import (
     HFBackend,
     RegenStats,
@@ -34,7 +35,6 @@ from draftforge.curate.regenerate import (
     read_chunk,
     run_regeneration,
 )  # fmt: skip
-from draftforge.curate.queries import synthesize
 from draftforge.curate.schema import Drop
 from draftforge.curate.select import select_rows
 from draftforge.curate.sources import iter_source
