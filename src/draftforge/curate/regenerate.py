@@ -86,7 +86,7 @@ class HFBackend:
             att[r, width - len(prompts[i]) :] = 1
         sample = self.cfg.temperature > 0
         torch.manual_seed(seeds[idx[0]])  # batch composition is fixed per chunk → reproducible
-        kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else {}
+        kw = dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else {}
         dev = getattr(self.model, "device", torch.device("cpu"))
         try:
             with torch.no_grad():
