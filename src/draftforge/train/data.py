@@ -21,6 +21,10 @@ SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class FeatureSource(Protocol):
+    # True when item i's features are the same bytes at every read (stored by extract): what is derived from them
+    # may be cached across epochs (train/lse_cache.py). Sources that compute features on access leave it False.
+    stored_features: bool
+
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> SeqTuple: ...
@@ -37,6 +41,8 @@ def count_labels(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torc
 
 class InMemorySource:
     """A list of per-sequence tuples (tests, small val sets)."""
+
+    stored_features = True
 
     def __init__(self, items: Sequence[SeqTuple]) -> None:
         self.items = list(items)
@@ -103,11 +109,12 @@ class Batch:
     prev_ids: torch.Tensor | None = None  # (S, N, B) the data token right before each slot's predicted one
     last: torch.Tensor | None = None  # (S, T, H) the target's final-normed last-layer states (when stored)
     pred_offset: int = 0  # slot k predicts anchor + k + pred_offset
+    seq_ids: torch.Tensor | None = None  # (S,) int64 dataset index of each sequence (training batches; CPU)
 
     def _map(self, fn) -> "Batch":
         opt = lambda t: None if t is None else fn(t)  # noqa: E731
         return Batch(fn(self.tapped), fn(self.anchors), fn(self.block_ids), fn(self.targets), fn(self.valid),
-                     self.n_tokens, opt(self.prev_ids), opt(self.last), self.pred_offset)
+                     self.n_tokens, opt(self.prev_ids), opt(self.last), self.pred_offset, self.seq_ids)
 
     def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -26,6 +26,8 @@ SeqTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class ShardedSource:
     """One split of an extract index as a random-access FeatureSource."""
 
+    stored_features = True
+
     def __init__(self, reader: FeatureReader, split: str, dtype: torch.dtype = torch.bfloat16) -> None:
         self.reader, self.split, self.dtype = reader, split, dtype
         self.entries: list[dict[str, Any]] = reader.shards(split)

@@ -27,6 +27,7 @@ from draftforge.train.data import Batch, FeatureSource, collate, draw_anchors, t
 from draftforge.train.dspark_loss import analytic_stats, check_weights, objective, summarize_analytic, target_lse
 from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loss import BlockOutputs, block_losses, compile_loss, slot_stats, slot_weights, summarize
+from draftforge.train.lse_cache import TargetLseCache
 from draftforge.train.replay import ReplayTable, build_table, draw_replay_anchors
 from draftforge.train.trainer import LoopResult, LoopSpec, Pending, StepOut, all_reduce, lr_lambda, run
 
@@ -136,7 +137,7 @@ def make_objective(cfg: TrainConfig, dcfg: DFlashConfig, loss_weights: dict[str,
 
 
 def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor,
-                      obj: Objective) -> BlockOutputs:
+                      obj: Objective, lse_cache: TargetLseCache | None = None) -> BlockOutputs:
     """Valid slots through the distribution objective (+ Markov bias and confidence for DSpark)."""
     S, N, B = batch.valid.shape
     flat = batch.valid.reshape(-1)
@@ -153,7 +154,10 @@ def dist_block_losses(model, h: torch.Tensor, head: FrozenTargetHead, batch: Bat
         seq = torch.arange(S, device=h.device)[:, None, None].expand(S, N, B)
         distinct, t_index = torch.unique(seq.reshape(-1)[flat] * T + pos.reshape(-1)[flat], return_inverse=True)  # (U,), (M,)
         ht = batch.last[distinct // T, distinct % T].to(hv.dtype)  # (U, H)
-    lse_full = target_lse(ht, head.lm_head) if ht is not None and rows is not head.lm_head else None  # (U,)
+    lse_full = None  # (U,) the target's normaliser over its whole vocabulary, needed with a draft vocabulary
+    if ht is not None and rows is not head.lm_head:
+        cached = lse_cache is not None and batch.seq_ids is not None
+        lse_full = lse_cache.lookup(batch.seq_ids, distinct, T, ht.dtype) if cached else target_lse(ht, head.lm_head)
     raw = model
     e = w2 = conf_logit = None
     if isinstance(raw, DSparkDrafter) and raw.markov_head is not None:
@@ -186,11 +190,11 @@ def drafted_rows(model: torch.nn.Module, head: FrozenTargetHead, targets: torch.
 
 
 def forward_batch(model: torch.nn.Module, head: FrozenTargetHead, batch: Batch, weights: torch.Tensor, attn_impl: str | None,
-                  obj: Objective | None = None):
+                  obj: Objective | None = None, lse_cache: TargetLseCache | None = None):
     block_embeds = head.embed_ids(batch.block_ids).float()  # (S, N*B, H)
     h = model(batch.tapped, block_embeds, batch.anchors, attn_impl)
     if obj is not None:
-        return dist_block_losses(model, h, head, batch, weights, obj)
+        return dist_block_losses(model, h, head, batch, weights, obj, lse_cache)
     rows, targets = drafted_rows(model, head, batch.targets)
     return block_losses(h, rows, targets, batch.valid, weights)
 
@@ -328,6 +332,12 @@ class BlockTask:
         # later batch; None until then (a resumed run past it takes the checkpoint's).
         self.replay_at = replay_step(cfg, total_steps(cfg, self.n_train, inp.world)[1])
         self.replay: ReplayTable | None = None
+        # With a draft vocabulary and stored features, each training position's target normaliser is computed once
+        # and read back at later epochs (train/lse_cache.py); online features are recomputed, so not cached.
+        epochs = total_steps(cfg, self.n_train, inp.world)[1] * global_batch(cfg, inp.world) / max(1, self.n_train)
+        cached = self.obj is not None and self.obj.needs_target and dcfg.draft_vocab_size > 0 and epochs > 1
+        self.lse_cache = (TargetLseCache(inp.head.lm_head, inp.train_source, cfg.max_seq_len, self.dtype)
+                          if cached and inp.train_source.stored_features else None)  # fmt: skip
 
     def batch(self, seqs: list[int], step: int, epoch: int) -> Batch:
         cfg, dcfg = self.inp.cfg, self.inp.dcfg
@@ -339,13 +349,15 @@ class BlockTask:
             anchors = [draw_replay_anchors(it[1], table.rejected(i), cfg.num_anchors, cfg.replay_share, cfg.seed, epoch, i)
                        for it, i in zip(items, seqs)]  # fmt: skip
         batch = collate(items, anchors, dcfg.block_size, dcfg.mask_token_id, self.dtype, *convention(dcfg))
+        batch.seq_ids = torch.tensor(seqs, dtype=torch.int64)
         return batch.pin_memory() if self.inp.device.type == "cuda" else batch
 
     def forward(self, batch: Batch) -> Pending:
         """sums = [weight sum, weighted CE sum, context tokens, block tokens] of this rank's valid slots."""
         batch = batch.to(self.inp.device)
         with _autocast(self.inp.device, self.dtype):
-            out = forward_batch(self.model, self.inp.head, batch, self.weights, self.inp.cfg.attn_impl, self.obj)
+            out = forward_batch(self.model, self.inp.head, batch, self.weights, self.inp.cfg.attn_impl, self.obj,
+                                self.lse_cache)  # fmt: skip
         n_blk = batch.valid[..., self.first].sum().double() * self.inp.dcfg.block_size
         sums = torch.stack([out.weight_sum.double(), out.weighted_ce_sum.detach().double(),
                             torch.tensor(float(batch.n_tokens), dtype=torch.float64, device=n_blk.device), n_blk])

@@ -58,6 +58,8 @@ class OnlineTarget:
 class OnlineSource:
     """One split as a random-access FeatureSource whose features the target computes on access."""
 
+    stored_features = False
+
     def __init__(self, plan: ExtractPlan, split: str, target: OnlineTarget, vocab_size: int, max_seq_len: int) -> None:
         self.split, self.target = split, target
         reader = InputReader(plan, vocab_size, max_seq_len)
