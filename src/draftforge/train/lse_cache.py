@@ -30,7 +30,7 @@ class TargetLseCache:
         self.computed = 0  # positions computed (each once)
         self.reads = 0  # positions served
 
-    def _compute(self, sid: int, dtype: torch.dtype) -> torch.Tensor:
+    def compute(self, sid: int, dtype: torch.dtype) -> torch.Tensor:
         item = truncate(self.source[sid], self.max_seq_len)
         mask, last = item[1], item[3]  # (L,), (L, H)
         if last is None:
@@ -53,7 +53,7 @@ class TargetLseCache:
             sid = int(seq_ids[s])
             row = self.rows.get(sid)
             if row is None:
-                row = self.rows[sid] = self._compute(sid, dtype)
+                row = self.rows[sid] = self.compute(sid, dtype)
             p = pos[sel]
             if int(p.max()) >= row.shape[0] or bool(torch.isnan(row[p]).any()):
                 raise ValueError(f"train sequence {sid}: a row at a position whose next token is not supervised "
