@@ -1,5 +1,6 @@
 """A/B of one training step of a listed drafter on a finished run's real features: the target-normaliser cache
-(train/lse_cache.py) on against off, in one process, on the same batches.
+(train/lse_cache.py) on against off, in one process, on the same batches; with `--whole-vocab`, a third arm drafts
+over the target's whole vocabulary (`drafter.draft_vocab_size=0`, the step before the draft vocabulary and the cache).
 
 The stage's own branch builder (`train.stage.block_branch`) builds two BlockTasks from `results/<exp>/extract`; one
 has its cache removed. The cache is first filled for every train sequence (what the first epoch pays, timed apart);
@@ -19,13 +20,13 @@ import time
 import torch
 
 
-def build(results: str, drafter: str, experiment: str):
+def build(results: str, drafter: str, experiment: str, *overrides: str):
     from draftforge.cli import make_context
     from draftforge.target.load import read_target_info
     from draftforge.train.stage import block_branch, train_config
 
     ctx = make_context("train", [f"experiment={experiment}", f"results_root={results}", f"drafter={drafter}",
-                                 "tracking.enabled=false"])  # fmt: skip
+                                 "tracking.enabled=false", *overrides])  # fmt: skip
     cfg = train_config(ctx)
     info = read_target_info(ctx.input_marker("target"))
     return block_branch(ctx, cfg, info, lambda _p: 1 << 40)
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--experiment", default="default")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--group", type=int, default=10)
+    ap.add_argument("--whole-vocab", action="store_true", help="a third arm: the whole vocabulary, no cache")
     args = ap.parse_args()
     torch.manual_seed(0)
     cached, plain = build(args.results, args.drafter, args.experiment).task, build(args.results, args.drafter, args.experiment).task
@@ -61,20 +63,26 @@ def main() -> None:
     fill = time.perf_counter() - t0
     print(f"cache fill (the first epoch's share): {n} sequences, {cached.lse_cache.computed} positions in {fill:.1f} s "
           f"({1e6 * fill / max(1, cached.lse_cache.computed):.0f} µs a position)")
-    opts = {id(t): torch.optim.AdamW(t.model.parameters(), lr=1e-3) for t in (cached, plain)}
+    arms = {"cache": cached, "no cache": plain}
+    if args.whole_vocab:
+        arms["whole vocab"] = build(args.results, args.drafter, args.experiment, "drafter.draft_vocab_size=0").task
+    opts = {name: torch.optim.AdamW(t.model.parameters(), lr=1e-3) for name, t in arms.items()}
     bs = cached.inp.cfg.batch_seqs
-    for t in (cached, plain):  # warm-up
-        step(t, opts[id(t)], list(range(bs)), 0, 1)
-    times: dict[str, list[float]] = {"cache": [], "no cache": []}
+    for name, t in arms.items():  # warm-up
+        step(t, opts[name], list(range(bs)), 0, 1)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
     for g in range(0, args.steps, args.group):
-        for name, t in (("cache", cached), ("no cache", plain)) if (g // args.group) % 2 == 0 else (("no cache", plain), ("cache", cached)):
-            dt = [step(t, opts[id(t)], [(g + k) * bs % n + j for j in range(bs)], g + k, 1) for k in range(args.group)]
+        turn = (g // args.group) % len(names)
+        for name in names[turn:] + names[:turn]:  # each arm goes first in turn
+            dt = [step(arms[name], opts[name], [(g + k) * bs % n + j for j in range(bs)], g + k, 1) for k in range(args.group)]
             times[name].append(sum(dt) / len(dt))
-    print(f"{'':10} {'min ms/step':>12} {'median':>8}   ({args.steps} steps each, groups of {args.group}, alternating)")
+    print(f"{'':12} {'min ms/step':>12} {'median':>8}   ({args.steps} steps each, groups of {args.group}, in turn)")
     for name, v in times.items():
-        print(f"{name:10} {1e3 * min(v):12.1f} {1e3 * statistics.median(v):8.1f}")
-    print(f"no cache ÷ cache: min {min(times['no cache']) / min(times['cache']):.3f}, "
-          f"median {statistics.median(times['no cache']) / statistics.median(times['cache']):.3f}")
+        print(f"{name:12} {1e3 * min(v):12.1f} {1e3 * statistics.median(v):8.1f}")
+    for name in names[1:]:
+        print(f"{name} ÷ cache: min {min(times[name]) / min(times['cache']):.3f}, "
+              f"median {statistics.median(times[name]) / statistics.median(times['cache']):.3f}")
 
 
 if __name__ == "__main__":
