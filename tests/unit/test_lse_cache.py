@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from drafter_fixtures import drafter_of
 from draftforge.drafter.config import DFlashConfig
 from draftforge.train.config import TrainConfig
 from draftforge.train.data import InMemorySource
@@ -17,7 +18,6 @@ from draftforge.train.head import FrozenTargetHead
 from draftforge.train.loop import BlockTask, draft_vocab_for, loop_spec, total_steps
 from draftforge.train.lse_cache import TargetLseCache
 from draftforge.train.trainer import run
-from drafter_fixtures import drafter_of
 from train_fixtures import make_inputs, synthetic_items, with_last
 
 EPOCHS = 3
