@@ -124,14 +124,17 @@ def with_draft_vocab(d: DFlashDrafter, tm, size: int) -> DFlashDrafter:
     return dv.eval()
 
 
-def dspark_of(d: DFlashDrafter) -> DFlashDrafter:
-    """A DSpark drafter on `d`'s backbone shape (DSpark's default block, Markov rank 256, confidence head)."""
+def dspark_of(d: DFlashDrafter, tm) -> DFlashDrafter:
+    """A DSpark drafter on `d`'s backbone shape (DSpark's default block, Markov rank 256, confidence head), over
+    `d`'s draft vocabulary when it has one (then its Markov W2 has those D rows)."""
     from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
 
     torch.manual_seed(2)
     ds = DSparkDrafter(DSparkConfig.from_dflash(d.cfg, markov_rank=256, enable_confidence_head=True,
                                                 confidence_head_with_markov=True, bonus_anchor=False))
     ds.reset_parameters(std=0.02)
+    if d.cfg.draft_vocab_size:
+        ds.set_draft_vocab(d.draft_ids, tm.lm_head.weight.detach())
     return ds.eval()
 
 
@@ -193,7 +196,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--budgets", default="4,8,16,32")
     ap.add_argument("--dspark", action="store_true",
-                    help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter")
+                    help="also time the dflash / dspark chains and ddtree / ddtree_markov at budget 64 on a DSpark drafter "
+                         "(with --draft-vocab: also on one over that many rows)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="also time the drafter pass and the DFlash / DDTree rounds with a draft vocabulary of this size")
     ap.add_argument("--compare-routes", nargs="?", const="fixed", choices=["fixed", "library"], default=None,
@@ -238,12 +242,15 @@ def main() -> None:
             floor = target_floor(tm, n_verify, args.prompt_len, ceil)["floor_ms"] + dfl["floor_ms"]
             rec["rounds"].append({"method": name, "budget": b, **({"drafter": tag} if tag else {}), **rt, "floor_ms": floor,
                                   "over_floor": rt["round_ms"] / floor, "over_ar": rt["round_ms"] / ar_ms})
-    if args.dspark:  # the DSpark methods on a DSpark drafter of the same backbone (random heads, rank 256)
-        ds = dspark_of(d)
+    # the DSpark methods on a DSpark drafter of the same backbone (random heads, rank 256); with --draft-vocab also
+    # over the same D rows
+    for tag, drafter in drafters if args.dspark else []:
+        ds = dspark_of(drafter, tm)
         for name, b in (("dflash", None), ("dspark", None), ("ddtree", 64), ("ddtree_markov", 64)):
             warm_up(tm, make_method(name, tm, ds, b), prompt, b, ds.cfg.block_size)
             rt = round_times(generate(tm, make_method(name, tm, ds, b), prompt, n_tok), 1)
-            rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark", **rt, "over_ar": rt["round_ms"] / ar_ms})
+            rec["rounds"].append({"method": name, "budget": b, "drafter": "dspark" + (f" {tag}" if tag else ""), **rt,
+                                  "over_ar": rt["round_ms"] / ar_ms})
     if args.compare_routes or args.compare_kernel:
         rec["routes_ab"] = routes_ab(tm, drafters[-1][1], prompt, args, ar_ms)
     rec["tuned_routes"] = cpu_linear.tuned_routes()

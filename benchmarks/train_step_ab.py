@@ -9,6 +9,9 @@ forward + backward + AdamW. Prints ms/step (min and median of the groups' means)
 
     PYTHONPATH=src python benchmarks/train_step_ab.py --results /work/run/results --drafter dflash_aw_b4 \
         [--steps 120 --group 10]
+    # a DSpark drafter over 8,192 rows against its whole vocabulary (every arm takes the --set overrides first)
+    PYTHONPATH=src python benchmarks/train_step_ab.py --results /work/run/results --drafter dspark \
+        --set drafter.draft_vocab_size=8192 --whole-vocab
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--group", type=int, default=10)
     ap.add_argument("--whole-vocab", action="store_true", help="a third arm: the whole vocabulary, no cache")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every arm (repeatable), e.g. drafter.draft_vocab_size=8192")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cached, plain = build(args.results, args.drafter, args.experiment).task, build(args.results, args.drafter, args.experiment).task
+    cached, plain = (build(args.results, args.drafter, args.experiment, *args.set).task for _ in range(2))
     if cached.lse_cache is None:
         raise SystemExit(f"drafter {args.drafter}: no target-normaliser cache (needs a draft vocabulary and a distribution objective)")
     plain.lse_cache = None
@@ -65,7 +70,7 @@ def main() -> None:
           f"({1e6 * fill / max(1, cached.lse_cache.computed):.0f} µs a position)")
     arms = {"cache": cached, "no cache": plain}
     if args.whole_vocab:
-        arms["whole vocab"] = build(args.results, args.drafter, args.experiment, "drafter.draft_vocab_size=0").task
+        arms["whole vocab"] = build(args.results, args.drafter, args.experiment, *args.set, "drafter.draft_vocab_size=0").task
     opts = {name: torch.optim.AdamW(t.model.parameters(), lr=1e-3) for name, t in arms.items()}
     bs = cached.inp.cfg.batch_seqs
     for name, t in arms.items():  # warm-up

@@ -85,20 +85,24 @@ def prompt(vocab: int, n: int = 7, seed: int = 0) -> list[int]:
 
 
 def tiny_dspark_drafter(tm: TargetModel, seed: int = 0, block: int = 6, mask_id: int = 3, std: float = 0.3,
-                        rank: int = 8, bonus_anchor: bool = False, markov_scale: float = 1.0):
-    """A random DSpark drafter (Markov head with a non-zero, random bias; confidence head with Markov input)."""
+                        rank: int = 8, bonus_anchor: bool = False, markov_scale: float = 1.0,
+                        draft_ids: torch.Tensor | None = None):
+    """A random DSpark drafter (Markov head with a non-zero, random bias; confidence head with Markov input);
+    draft_ids (D,) ascending: a draft vocabulary of those tokens (its Markov W2 then has D rows)."""
     from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
 
     cfg = DSparkConfig(
         hidden_size=tm.hidden_size, intermediate_size=128, num_hidden_layers=1, num_attention_heads=tm.num_heads,
         num_key_value_heads=tm.num_kv_heads, head_dim=tm.head_dim, vocab_size=tm.vocab_size, mask_token_id=mask_id,
         target_layer_ids=list(tm.tap_ids), block_size=block, target_num_layers=len(tm.layers),
-        markov_rank=rank, bonus_anchor=bonus_anchor,
+        markov_rank=rank, bonus_anchor=bonus_anchor, draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
     )
     torch.manual_seed(seed)
     d = DSparkDrafter(cfg)
     d.reset_parameters(std=std)
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, 0.0, markov_scale / rank**0.5)
+    if draft_ids is not None:
+        d.set_draft_vocab(draft_ids, tm.lm_head.weight.detach())
     return d.eval()
 
 
@@ -137,6 +141,8 @@ def drafter_kinds() -> dict:
         "dspark": (lambda tm: tiny_dspark_drafter(tm, seed=3), ("dflash", "ddtree", "dspark", "ddtree_markov")),
         "dspark_bonus_anchor": (lambda tm: tiny_dspark_drafter(tm, seed=3, bonus_anchor=True),
                                 ("dflash", "ddtree", "dspark", "ddtree_markov")),
+        "dspark_draft_vocab": (lambda tm: tiny_dspark_drafter(tm, seed=3, draft_ids=some_ids(tm.vocab_size, tm.vocab_size * 2 // 3)),
+                               ("dflash", "ddtree", "dspark", "ddtree_markov")),
         "mtp": (mtp, ("mtp",)),
     }
 

@@ -49,7 +49,8 @@ def test_captured_equals_eager_fp32(arch: str, variant: str) -> None:
             assert cap.accept_lengths == eager.accept_lengths, (name, b, seed)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dflash_draft_vocab", "dspark", "dspark_bonus_anchor", "mtp"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dflash_draft_vocab", "dspark", "dspark_bonus_anchor",
+                                  "dspark_draft_vocab", "mtp"])
 @pytest.mark.parametrize("variant", ["graphs", "compiled"])
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
 def test_captured_equals_eager_every_method_and_drafter_type_fp32(arch: str, variant: str, kind: str) -> None:

@@ -20,6 +20,7 @@ import torch
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 SHARED_FROM_TARGET = {"embed_tokens.weight", "mask_embedding"}
+DRAFT_VOCAB_KEYS = ("lm_head.weight", "d2t")
 
 
 def _vllm_side(target_dir: str, drafter_dir: str, n_spec: int, dist_file: str, prev_file: str) -> dict:
@@ -48,7 +49,8 @@ def _vllm_side(target_dir: str, drafter_dir: str, n_spec: int, dist_file: str, p
 
         model = Qwen3DSparkForCausalLM(vllm_config=vc)
         tensors = load_file(str(Path(drafter_dir) / "model.safetensors"))
-        loaded = set(model.model.load_weights(iter(tensors.items())))  # inner loader: names it consumed
+        own = {k: v for k, v in tensors.items() if k not in DRAFT_VOCAB_KEYS}  # the outer model's (draft vocabulary)
+        loaded = set(model.model.load_weights(iter(own.items())))  # inner loader: names it consumed
         vc.compilation_config.static_forward_context.clear()  # a second instance re-registers its layers
         model2 = Qwen3DSparkForCausalLM(vllm_config=vc)
         model2.load_weights(iter(tensors.items()))  # the top-level loader vLLM's dspark proposer calls
@@ -60,24 +62,35 @@ def _vllm_side(target_dir: str, drafter_dir: str, n_spec: int, dist_file: str, p
             emb = model2.markov_embed(inp["prev"])
             bias = model2.markov_bias(emb)
             conf = model2.compute_confidence(inp["hidden"], emb)
+            d2t = model2.draft_id_to_target_id
+            drafted = None if d2t is None else model2.map_draft_to_target(torch.arange(d2t.shape[0])).tolist()
     hf = spec.draft_model_config.hf_config
     return {"loaded": sorted(loaded), "params": sorted(n for n, _ in model.model.named_parameters()),
             "method": spec.method, "architectures": list(hf.architectures), "aux_layers": list(get_eagle3_aux_layers_from_config(spec)),
             "fc_in": model.model.fc.input_size, "bias": bias.tolist(), "conf": conf.tolist(),
-            "sample_from_anchor": getattr(hf, "sample_from_anchor", None), "refusal": refusal}
+            "sample_from_anchor": getattr(hf, "sample_from_anchor", None), "refusal": refusal, "drafted": drafted}
 
 
-@pytest.mark.parametrize("with_markov", [True, False])
-def test_dspark_export_loads_into_vllm_and_matches_heads(tiny_target_info, tmp_path, with_markov):
+@pytest.mark.parametrize(("with_markov", "draft_vocab"), [(True, False), (False, False), (True, True)],
+                         ids=["markov", "no_markov", "markov_draft_vocab"])
+def test_dspark_export_loads_into_vllm_and_matches_heads(tiny_target_info, tmp_path, with_markov, draft_vocab):
+    """draft_vocab: a draft vocabulary of a third of the tokens, so vLLM's Markov W2 and bias have its D rows and
+    its d2t maps them to our ids."""
     from drafter_fixtures import drafter_of  # the test module also runs as a script: import here
     from draftforge.drafter import DFlashConfig
     from draftforge.drafter.dspark import DSparkConfig, DSparkDrafter
     from draftforge.drafter.export import export_drafter, load_drafter
 
+    V = int(tiny_target_info["vocab_size"])
+    ids = torch.arange(0, V, 3) if draft_vocab else None
     dcfg = DSparkConfig.from_dflash(DFlashConfig.from_target(tiny_target_info, drafter_of(), num_hidden_layers=2), markov_rank=16,
-                                    confidence_head_with_markov=with_markov)
+                                    confidence_head_with_markov=with_markov, draft_vocab_size=0 if ids is None else len(ids))
     torch.manual_seed(0)
     m = DSparkDrafter(dcfg)
+    if ids is not None:
+        from draftforge.train.head import FrozenTargetHead
+
+        m.set_draft_vocab(ids, FrozenTargetHead.from_target(tiny_target_info["hf_path"]).lm_head)
     for p in (m.markov_head.markov_w2.weight, m.confidence_head.proj.weight, m.confidence_head.proj.bias):
         torch.nn.init.normal_(p, 0.0, 0.5)
     export_drafter(m, dcfg, tmp_path / "drafter", dtype=torch.float32)
@@ -104,7 +117,9 @@ def test_dspark_export_loads_into_vllm_and_matches_heads(tiny_target_info, tmp_p
     with torch.no_grad():
         want_bias = ours.markov_bias(prev)
         want_conf = torch.sigmoid(ours.confidence_logit(hidden, prev))
+    assert torch.tensor(rep["bias"]).shape == (4, dcfg.draft_vocab_size or V)
     assert torch.allclose(torch.tensor(rep["bias"]), want_bias, atol=1e-5)
+    assert rep["drafted"] == (None if ids is None else ids.tolist())
     assert torch.allclose(torch.tensor(rep["conf"]), want_conf, atol=1e-6)
 
 

@@ -253,5 +253,5 @@ def test_stage_trains_a_drafter_with_a_draft_vocabulary(tiny_target_info, items,
     drafter = load_drafter(out / "drafter")
     assert set(drafter.draft_ids.tolist()) >= {t for t, _ in labels.most_common(8)}  # the frequent ones, whatever ties
     assert "draft vocabulary: the 64 most frequent answer tokens" in proc.stderr
-    bad = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.draft_vocab_size=64"], tmp_path)
+    bad = _run([PY, "-m", "draftforge.train", "drafter=mtp", "drafter.draft_vocab_size=64"], tmp_path)
     assert bad.returncode == 2 and "drafter.draft_vocab_size" in bad.stderr.strip().splitlines()[-1]

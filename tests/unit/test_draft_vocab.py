@@ -28,6 +28,7 @@ from engine_fixtures import (  # noqa: E402,F401
     prompt,
     some_ids,
     tiny_drafter,
+    tiny_dspark_drafter,
     tiny_target,
 )
 
@@ -46,8 +47,9 @@ def test_the_vocabulary_is_the_most_frequent_labels_ascending_ties_to_the_lower_
 
 
 def test_only_a_type_that_drafts_from_a_subset_takes_a_draft_vocabulary():
-    assert DrafterConfig(type="dflash", draft_vocab_size=16).draft_vocab_size == 16
-    for kind in ("dspark", "mtp"):
+    for kind in ("dflash", "dspark"):
+        assert DrafterConfig(name=kind, type=kind, draft_vocab_size=16).draft_vocab_size == 16
+    for kind in ("mtp",):
         with pytest.raises(ConfigError, match=f"drafter.draft_vocab_size.*a {kind} drafter drafts from the whole"):
             DrafterConfig(name=kind, type=kind, draft_vocab_size=16)
     with pytest.raises(ConfigError, match="drafter.draft_vocab_size"):
@@ -117,6 +119,22 @@ def test_export_writes_vllms_draft_vocabulary_and_loads_back(tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(StageError, match=r"missing \['d2t'\]"):
         load_drafter(out)
+
+
+def test_dspark_export_with_a_draft_vocabulary_has_a_markov_w2_of_its_rows_and_loads_back(tmp_path):
+    """vLLM's DSparkMarkovHead: markov_w1 (V, r) over target ids, markov_w2 (D, r) over the draft rows."""
+    tm = tiny_target(vocab=96, seed=1)
+    ids = torch.arange(0, 96, 3)
+    drafter = tiny_dspark_drafter(tm, rank=8, draft_ids=ids)
+    out = export_drafter(drafter, drafter.cfg, tmp_path / "drafter", dtype=torch.float32)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["markov_head.markov_w1.weight"].shape == (96, 8)
+    assert tensors["markov_head.markov_w2.weight"].shape == (32, 8)
+    assert torch.equal(tensors["d2t"] + torch.arange(32), ids)
+    back = load_drafter(out)
+    assert back.cfg.draft_vocab_size == 32 and torch.equal(back.draft_ids, ids)
+    prev = torch.tensor([0, 5, 95])
+    assert torch.equal(back.markov_bias(prev), drafter.markov_bias(prev)) and back.markov_bias(prev).shape == (3, 32)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])

@@ -60,6 +60,27 @@ def test_dspark_loss_decreases_with_analytic_metrics(tiny_target_info, items, tm
     assert torch.count_nonzero(res.model.markov_head.markov_w2.weight) > 0  # the Markov head learned
 
 
+def test_dspark_trains_over_a_draft_vocabulary(tiny_target_info, items, tmp_path):
+    """A DSpark drafter with a draft vocabulary: its Markov W2 has the D rows, the objective decreases and the
+    export carries vLLM's d2t with it."""
+    from draftforge.drafter.export import load_drafter
+    from draftforge.train.loop import draft_vocab_for
+
+    cfg = TrainConfig(max_steps=24, batch_seqs=2, num_anchors=8, lr=3e-3, eval_every=12, ckpt_every=24, log_every=4,
+                      val_max_seqs=2, val_num_anchors=8, init_from_target=False)
+    inp = _dspark_inputs(tiny_target_info, cfg, items, tmp_path, markov_rank=16, draft_vocab_size=48)
+    inp.draft_ids = draft_vocab_for(inp.train_source, inp.dcfg)[0]
+    res = train(inp)
+    losses = [h["loss"] for h in res.history]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
+    assert res.model.markov_head.markov_w2.weight.shape == (48, 16)
+    assert torch.count_nonzero(res.model.markov_head.markov_w2.weight) > 0
+    assert torch.equal(res.model.draft_ids, inp.draft_ids)
+    out = export_drafter(res.model, res.model.cfg, tmp_path / "drafter", dtype=torch.float32)
+    back = load_drafter(out)
+    assert torch.equal(back.draft_ids, inp.draft_ids) and back.markov_head.markov_w2.weight.shape == (48, 16)
+
+
 def test_dflash_can_train_on_the_target_distribution(tiny_target_info, items, tmp_path):
     cfg = TrainConfig(max_steps=2, batch_seqs=2, num_anchors=4, eval_every=2, ckpt_every=2, val_max_seqs=1,
                       val_num_anchors=4, init_from_target=False)

@@ -25,6 +25,7 @@ from engine_fixtures import (  # noqa: E402
     flat_sampling_target,
     one_thread,  # noqa: F401  (autouse fixture)
     prompt,
+    some_ids,
     tiny_drafter,
     tiny_dspark_drafter,
     tiny_target,
@@ -60,6 +61,45 @@ def test_dspark_chain_drafts_the_markov_argmax_left_to_right():
     prev, want = 17, []
     for row in base:
         prev = int((row + W1[prev] @ W2.t()).argmax())
+        want.append(prev)
+    assert toks == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lossless_with_a_draft_vocabulary(seed):
+    """A DSpark drafter over a draft vocabulary (its Markov W2 has D rows): every method equals AR, and the chain
+    drafts only the D tokens."""
+    tm = tiny_target(ARCHS[seed % 2], vocab=96 if seed < 2 else 8, seed=seed)
+    ids = some_ids(tm.vocab_size, tm.vocab_size // 2, seed=seed)
+    drafter = tiny_dspark_drafter(tm, seed=seed, bonus_anchor=seed == 2, draft_ids=ids)
+    assert drafter.markov_head.markov_w2.weight.shape[0] == len(ids)
+    p = prompt(tm.vocab_size, 7, seed=seed)
+    ar = generate_ar(tm, p, 30).tokens
+    assert generate(tm, make_method("dspark", tm, drafter), p, 30).tokens == ar
+    for budget in (1, 4, 16, 64):
+        assert generate(tm, make_method("ddtree_markov", tm, drafter, budget), p, 30).tokens == ar, budget
+    assert generate(tm, make_method("ddtree", tm, drafter, 16), p, 30).tokens == ar
+    m = make_method("dspark", tm, drafter)
+    m.begin(_features(tm, p))
+    assert set(m.draft(tm.vocab_size - 1, len(p)).tolist()) <= set(ids.tolist())
+
+
+def test_dspark_chain_with_a_draft_vocabulary_is_the_argmax_over_the_drafted_rows():
+    """z over the D rows + W1[prev] · W2ᵀ (D rows), argmax column → its target id, which conditions the next."""
+    tm = tiny_target(vocab=96, seed=1)
+    ids = some_ids(96, 40, seed=1)
+    d = tiny_dspark_drafter(tm, seed=1, draft_ids=ids)
+    m = make_method("ddtree_markov", tm, d, 4)
+    m.begin(_features(tm, prompt(96, 7)))
+    base = m.base_logits(17, 7).double()
+    assert base.shape == (d.cfg.n_draft, 40) and torch.isfinite(base).all()
+    m2 = make_method("dspark", tm, d)
+    m2.begin(_features(tm, prompt(96, 7)))
+    toks = m2.draft(17, 7).tolist()
+    W1, W2 = d.markov_head.markov_w1.weight.double(), d.markov_head.markov_w2.weight.double()
+    prev, want = 17, []
+    for row in base:
+        prev = int(ids[int((row + W1[prev] @ W2.t()).argmax())])
         want.append(prev)
     assert toks == want
 
@@ -185,6 +225,36 @@ def test_markov_tree_is_the_budget_best_prefixes_by_brute_force():
             paths = []
             for i in range(1, len(tree)):
                 assert tree.parents[i] < i, (trial, budget)
+                parent = paths[tree.parents[i] - 1] if tree.parents[i] > 0 else ()
+                paths.append(parent + (tree.tokens[i],))
+            assert set(paths) == want, (trial, budget, batch)
+            assert tree.scores[1:] == pytest.approx([scores[p] for p in paths], abs=1e-4)
+
+
+def test_markov_tree_over_a_draft_vocabulary_is_the_budget_best_prefixes_by_brute_force():
+    """Columns are a draft vocabulary's rows: children are ranked over the D columns, a node's token is its
+    column's target id, and the bias is asked of that target id."""
+    import itertools
+
+    g = torch.Generator().manual_seed(7)
+    V, D, depth = 9, 4, 3
+    ids = torch.tensor([1, 4, 5, 8])
+    for trial in range(4):
+        base = 3 * torch.randn(depth, D, generator=g)
+        table = 3 * torch.randn(V, D, generator=g)  # bias(target id x) over the D columns
+        scores = {}
+        for n in range(1, depth + 1):
+            for path in itertools.product(range(D), repeat=n):
+                prev, s = 2, 0.0
+                for d, col in enumerate(path):
+                    s += float(torch.log_softmax(base[d] + table[prev], -1)[col])
+                    prev = int(ids[col])
+                scores[tuple(int(ids[c]) for c in path)] = s
+        for budget, batch in itertools.product((1, 6, 30), (1, 8)):
+            want = set(sorted(scores, key=lambda p: -scores[p])[:budget])
+            tree = build_markov_tree(2, base, lambda prev, table=table: table[prev], budget, batch, ids=ids)
+            paths = []
+            for i in range(1, len(tree)):
                 parent = paths[tree.parents[i] - 1] if tree.parents[i] > 0 else ()
                 paths.append(parent + (tree.tokens[i],))
             assert set(paths) == want, (trial, budget, batch)

@@ -43,7 +43,8 @@ def test_every_registered_method_is_covered_by_the_equivalence_test():
     assert covered == set(METHODS), sorted(set(METHODS) ^ covered)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dflash_draft_vocab", "dspark", "dspark_bonus_anchor", "mtp"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash_sliding", "dflash_draft_vocab", "dspark", "dspark_bonus_anchor",
+                                  "dspark_draft_vocab", "mtp"])
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
 def test_static_engine_equals_eager_in_tokens_and_accept_lengths(arch, kind):
     """Static (captured, run eagerly on CPU) == eager for every method of every drafter type: the same tokens

@@ -2,8 +2,11 @@
 
 Heads (vLLM 0.32 `qwen3_dspark.py`, `DSparkMarkovHead` / `DSparkConfidenceHead`; same names and shapes):
     e      = markov_w1[prev]                         (r,)  Embedding(V, r) of the token before the predicted one
-    bias   = markov_w2 · e                           (V,)  markov_w2.weight (V, r), LM-head-like
+    bias   = markov_w2 · e                           (V',) markov_w2.weight (V', r), LM-head-like
     logits = lm_head(h_slot) + bias
+V' is the rows the drafter drafts over: the target's vocabulary V, or its draft vocabulary's D rows
+(docs/architecture.md, "Draft vocabulary"; vLLM's DSparkMarkovHead takes the same two sizes). `prev` is a target
+token id either way (the bonus token comes from the target), so markov_w1 keeps all V rows.
     conf   = sigmoid(proj([h_slot; e]))              proj Linear(H + r, 1, bias) (or Linear(H, 1) without e)
 
 Block conventions (`bonus_anchor`):
@@ -71,6 +74,11 @@ class DSparkConfig(DFlashConfig):
         return self.block_size - self.first_slot
 
     @property
+    def draft_rows(self) -> int:
+        """Rows of the drafter's logits (and of the Markov bias): D with a draft vocabulary, else V."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
     def confidence_input_dim(self) -> int:
         return self.hidden_size + (self.markov_rank if self.confidence_head_with_markov else 0)
 
@@ -79,7 +87,7 @@ class DSparkConfig(DFlashConfig):
         shapes: dict[str, tuple[int, ...]] = {}
         if self.markov_rank > 0:
             shapes["markov_head.markov_w1.weight"] = (self.vocab_size, self.markov_rank)
-            shapes["markov_head.markov_w2.weight"] = (self.vocab_size, self.markov_rank)
+            shapes["markov_head.markov_w2.weight"] = (self.draft_rows, self.markov_rank)
         if self.enable_confidence_head:
             shapes["confidence_head.proj.weight"] = (1, self.confidence_input_dim)
             shapes["confidence_head.proj.bias"] = (1,)
@@ -142,12 +150,13 @@ class DSparkConfig(DFlashConfig):
 
 
 class MarkovHead(nn.Module):
-    """vLLM's DSparkMarkovHead (vanilla): markov_w1 Embedding(V, r), markov_w2 weight (V, r)."""
+    """vLLM's DSparkMarkovHead (vanilla): markov_w1 Embedding(V, r) over target ids, markov_w2 weight (V', r) over
+    the drafted rows (V' = V, or a draft vocabulary's D)."""
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, draft_rows: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_rows, bias=False)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(token_ids)
@@ -174,7 +183,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def __init__(self, cfg: DSparkConfig, attn_impl: str = "auto") -> None:
         super().__init__(cfg, attn_impl)
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_rows) if cfg.markov_rank > 0 else None
         self.confidence_head = (ConfidenceHead(cfg.confidence_input_dim, cfg.confidence_head_with_markov)
                                 if cfg.enable_confidence_head else None)
         self.reset_parameters()
@@ -193,13 +202,14 @@ class DSparkDrafter(DFlashDrafter):
         return self.markov_head.embed(prev_ids) if self.markov_head is not None else None
 
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
-        """prev_ids (...,) → (..., V) logit bias (None without a Markov head)."""
+        """prev_ids (...,) target ids → (..., V') logit bias over the drafted rows (None without a Markov head)."""
         if self.markov_head is None:
             return None
         return self.markov_head.bias(self.markov_head.embed(prev_ids))
 
     def head_logits(self, h: torch.Tensor, lm_head: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """h (..., H) predicting slots, prev_ids (...,) → logits (..., V) = lm_head(h) + bias(prev)."""
+        """h (..., H) predicting slots, lm_head (V', H) the drafted rows, prev_ids (...,) → logits (..., V') =
+        lm_head(h) + bias(prev)."""
         logits = h @ lm_head.t().to(h.dtype)
         bias = self.markov_bias(prev_ids)
         return logits if bias is None else logits + bias.to(logits.dtype)

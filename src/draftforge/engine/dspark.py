@@ -21,6 +21,11 @@ exists for), and a path through such a node would be over-ranked. Children depen
 (depth, parent token) (a first-order head), so each distinct pair costs one r × V product per round.
 Log-probs are ≤ 0 and children lists are sorted, so popping in score order still yields the b
 best prefixes, topologically ordered.
+
+With a draft vocabulary of D tokens (docs/architecture.md, "Draft vocabulary") both methods work over the D
+drafted rows: z_d and the bias are D columns (markov_w2 has D rows), the normaliser is over the D (the drafter
+gives every other token probability 0), and a column is mapped to its target id before it becomes a draft or a
+node's token (markov_w1 is indexed by target ids). Each bias product then reads D × r of W2 instead of V × r.
 """
 
 from __future__ import annotations
@@ -49,18 +54,25 @@ class _MarkovBase(BlockMethod):
         super().__init__(tm, drafter)
         head = drafter.markov_head
         self.w1 = head.markov_w1.weight.detach().float() if head is not None else None  # (V, r)
-        self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V, r)
-        self.w2_norm = self.w2.norm(dim=1) if head is not None else None  # (V,) ‖W2_v‖ bounds |bias_v| / ‖e‖
+        self.w2 = head.markov_w2.weight.detach().float() if head is not None else None  # (V', r)
+        self.w2_norm = self.w2.norm(dim=1) if head is not None else None  # (V',) ‖W2_v‖ bounds |bias_v| / ‖e‖
         if self.w2 is not None:
             cpu_linear.register(self.w2)  # CPU: the bias product on its measured route (engine/cpu_linear.py)
+        self.ids = self.ctx.draft_ids  # (D,) target id of each drafted column, None: the whole vocabulary (V' = V)
 
     def base_logits(self, bonus: int, start: int) -> torch.Tensor:
-        """(D, V) fp32 base logits of the predicting slots (depths 1..D)."""
-        return self.ctx.block_logits(bonus, start).float()
+        """(depths, V') fp32 base logits of the predicting slots (depths 1..n_draft) over the drafted columns."""
+        logits = self.ctx.block_logits(bonus, start).float()  # (depths, V): −inf outside a draft vocabulary
+        return logits if self.ids is None else logits[:, self.ids]
+
+    def token(self, column: int) -> int:
+        """The target id of a drafted column."""
+        return column if self.ids is None else int(self.ids[column])
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor | int:
-        """prev (m,) int64 → (m, V) Markov bias e · W2ᵀ, e = W1[prev] (0 without a head): one read of the (V, r) W2
-        for the m rows, on the CPU by the route measured for (W2's shape, m) (the engine's kernel where built)."""
+        """prev (m,) int64 target ids → (m, V') Markov bias e · W2ᵀ, e = W1[prev] (0 without a head): one read of
+        the (V', r) W2 for the m rows, on the CPU by the route measured for (W2's shape, m) (the engine's kernel
+        where built)."""
         return 0 if self.w1 is None else cpu_linear.linear(self.w1[prev], self.w2)
 
 
@@ -76,10 +88,10 @@ class DSparkChain(_MarkovBase):
     def draft(self, bonus: int, start: int) -> torch.Tensor:
         base = self.base_logits(bonus, start)
         if self.w1 is None:
-            return base.argmax(-1)
+            return torch.tensor([self.token(int(c)) for c in base.argmax(-1)])
         prev, toks = bonus, []
         for d in range(base.shape[0]):  # sequential: each draft conditions the next
-            prev = markov_argmax(base[d], self.w1[prev], self.w2, self.w2_norm)
+            prev = self.token(markov_argmax(base[d], self.w1[prev], self.w2, self.w2_norm))
             toks.append(prev)
         return torch.tensor(toks)
 
@@ -101,7 +113,7 @@ class DDTreeMarkov(_MarkovBase):
         return self.base_logits(bonus, start)
 
     def build(self, drafted: torch.Tensor, bonus: int) -> Tree:
-        return build_markov_tree(bonus, drafted, self.bias, self.budget)
+        return build_markov_tree(bonus, drafted, self.bias, self.budget, ids=self.ids)
 
 
 def markov_argmax(z: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, w2_norm: torch.Tensor, k: int = 32) -> int:
@@ -134,9 +146,12 @@ def markov_batch(budget: int) -> int:
     return 4 if budget <= 8 else 8
 
 
-def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int | None = None) -> Tree:
+def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: int | None = None,
+                      ids: torch.Tensor | None = None) -> Tree:
     """The `budget` best prefixes, where a node at depth d with token x has children ranked by
-    log_softmax(base[d] + bias(x)) (fp32, full vocabulary), top K = min(budget, V) of them.
+    log_softmax(base[d] + bias(x)) (fp32, over all of base's V' columns), top K = min(budget, V') of them.
+    ids (V',): the target id of each column (a draft vocabulary; None: column = id). Node tokens, and so bias's
+    argument, are target ids.
 
     Best-first with lazy expansion: a node's children (one r × V bias row, log-softmax and top-K over V) are
     computed only once the node is accepted, `batch` frontier nodes at a time (default `markov_batch(budget)`; one
@@ -168,7 +183,7 @@ def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: 
             logits = base[depths[expand]].float() + bias(toks[expand])  # (m, V)
             vals, idx = torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)  # (m, k) sorted
             first = len(toks)
-            toks = torch.cat([toks, idx.flatten()])
+            toks = torch.cat([toks, (idx if ids is None else ids[idx]).flatten()])
             scores = torch.cat([scores, (scores[expand, None] + vals).flatten()])
             parents = torch.cat([parents, expand.repeat_interleave(k)])
             depths = torch.cat([depths, (depths[expand] + 1).repeat_interleave(k)])

@@ -32,7 +32,7 @@ def reads_last_layer(drafter: Any, target: Any) -> bool:
 @register_drafter_type
 def dspark() -> DrafterType:
     return DrafterType(
-        name=NAME, title="DSpark", chain_method="dspark", tree_methods=("ddtree", "ddtree_markov"),
+        name=NAME, title="DSpark", chain_method="dspark", tree_methods=("ddtree", "ddtree_markov"), draft_vocab=True,
         vllm_methods=("dspark",), vllm_planners={"dspark": f"{__name__}:plan_vllm"},
         default_loss_weights={"tv": 1.8, "ce": 0.1}, reads_last_layer=reads_last_layer, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.dspark:DSparkConfig"},
