@@ -47,24 +47,6 @@ def test_lossless_greedy_seeds_and_budgets(seed):
     assert generate(tm, make_method("ddtree", tm, drafter, 16), p, 30).tokens == ar  # marginal tree, same drafter
 
 
-def test_dspark_chain_drafts_the_markov_argmax_left_to_right():
-    tm = tiny_target(vocab=96, seed=1)
-    d = tiny_dspark_drafter(tm, seed=1)
-    m = make_method("dspark", tm, d)
-    assert m.verify_size == 1 + d.cfg.block_size  # every slot drafts (anchor-as-first-prediction)
-    m.begin(_features(tm, prompt(96, 7)))
-    base = m.base_logits(17, 7).double()
-    m2 = make_method("dspark", tm, d)
-    m2.begin(_features(tm, prompt(96, 7)))
-    toks = m2.draft(17, 7).tolist()
-    W1, W2 = d.markov_head.markov_w1.weight.double(), d.markov_head.markov_w2.weight.double()
-    prev, want = 17, []
-    for row in base:
-        prev = int((row + W1[prev] @ W2.t()).argmax())
-        want.append(prev)
-    assert toks == want
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_lossless_with_a_draft_vocabulary(seed):
     """A DSpark drafter over a draft vocabulary (its Markov W2 has D rows): every method equals AR, and the chain
@@ -84,22 +66,26 @@ def test_lossless_with_a_draft_vocabulary(seed):
     assert set(m.draft(tm.vocab_size - 1, len(p)).tolist()) <= set(ids.tolist())
 
 
-def test_dspark_chain_with_a_draft_vocabulary_is_the_argmax_over_the_drafted_rows():
-    """z over the D rows + W1[prev] · W2ᵀ (D rows), argmax column → its target id, which conditions the next."""
+@pytest.mark.parametrize("draft_vocab", [0, 40], ids=["whole_vocabulary", "draft_vocabulary"])
+def test_dspark_chain_drafts_the_markov_argmax_left_to_right(draft_vocab):
+    """x_d = argmax(z_d + W1[x_{d-1}] · W2ᵀ), left to right. With a draft vocabulary z and W2 have its D rows, and
+    the argmax column becomes its target id, which conditions the next draft."""
     tm = tiny_target(vocab=96, seed=1)
-    ids = some_ids(96, 40, seed=1)
+    ids = some_ids(96, draft_vocab, seed=1) if draft_vocab else None
     d = tiny_dspark_drafter(tm, seed=1, draft_ids=ids)
-    m = make_method("ddtree_markov", tm, d, 4)
+    m = make_method("dspark", tm, d)
+    assert m.verify_size == 1 + d.cfg.block_size  # every slot drafts (anchor-as-first-prediction)
     m.begin(_features(tm, prompt(96, 7)))
     base = m.base_logits(17, 7).double()
-    assert base.shape == (d.cfg.n_draft, 40) and torch.isfinite(base).all()
+    assert base.shape == (d.cfg.n_draft, draft_vocab or 96) and torch.isfinite(base).all()
     m2 = make_method("dspark", tm, d)
     m2.begin(_features(tm, prompt(96, 7)))
     toks = m2.draft(17, 7).tolist()
     W1, W2 = d.markov_head.markov_w1.weight.double(), d.markov_head.markov_w2.weight.double()
     prev, want = 17, []
     for row in base:
-        prev = int(ids[int((row + W1[prev] @ W2.t()).argmax())])
+        column = int((row + W1[prev] @ W2.t()).argmax())
+        prev = column if ids is None else int(ids[column])
         want.append(prev)
     assert toks == want
 

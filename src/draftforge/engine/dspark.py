@@ -88,7 +88,8 @@ class DSparkChain(_MarkovBase):
     def draft(self, bonus: int, start: int) -> torch.Tensor:
         base = self.base_logits(bonus, start)
         if self.w1 is None:
-            return torch.tensor([self.token(int(c)) for c in base.argmax(-1)])
+            columns = base.argmax(-1)
+            return columns if self.ids is None else self.ids[columns]
         prev, toks = bonus, []
         for d in range(base.shape[0]):  # sequential: each draft conditions the next
             prev = self.token(markov_argmax(base[d], self.w1[prev], self.w2, self.w2_norm))
