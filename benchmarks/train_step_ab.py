@@ -7,10 +7,10 @@ has its cache removed. The cache is first filled for every train sequence (what 
 then both tasks take the same `--steps` batches of a later epoch, alternating in groups of `--group` steps, each step
 forward + backward + AdamW. Prints ms/step (min and median of the groups' means) and their ratio.
 
-    PYTHONPATH=src python benchmarks/train_step_ab.py --results /work/run/results --drafter dflash_aw_b4 \
+    PYTHONPATH=src python benchmarks/train_step_ab.py --results results --drafter dflash_aw_b4 \
         [--steps 120 --group 10]
     # a DSpark drafter over 8,192 rows against its whole vocabulary (every arm takes the --set overrides first)
-    PYTHONPATH=src python benchmarks/train_step_ab.py --results /work/run/results --drafter dspark \
+    PYTHONPATH=src python benchmarks/train_step_ab.py --results results --drafter dspark \
         --set drafter.draft_vocab_size=8192 --whole-vocab
 """
 
