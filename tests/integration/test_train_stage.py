@@ -129,23 +129,27 @@ def test_stage_trains_mtp_head(tiny_target_info, items, tmp_path):
 
 
 def test_stage_trains_and_exports_a_dspark_drafter(tiny_target_info, items, tmp_path):
-    """drafter=dspark on features with the target's last layer → a DSpark export with analytic metrics;
-    the same features without the last layer → one StageError naming the switch."""
+    """drafter=dspark on features with the target's last layer → a DSpark export with analytic metrics, over a
+    draft vocabulary as conf/drafter/dspark.yaml drafts (64 of this target's 512 tokens; the default's 8,192 is more
+    than it has); the same features without the last layer → one StageError naming the switch."""
+    args = [PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8", "drafter.draft_vocab_size=64"]
     _world(tmp_path, tiny_target_info, items)
-    bad = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
+    bad = _run(args, tmp_path)
     assert bad.returncode == 2 and "needs_last_layer" in bad.stderr.strip().splitlines()[-1]
     _world(tmp_path, tiny_target_info, with_last(tiny_target_info, items))
-    proc = _run([PY, "-m", "draftforge.train", "drafter=dspark", "drafter.markov_rank=8"], tmp_path)
+    proc = _run(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "smoke" / "train" / "dspark"
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["markov_rank"] == 8 and cfg["sample_from_anchor"] is True
+    assert cfg["draft_vocab_size"] == 64
     metrics = json.loads((out / "metrics.json").read_text())
     assert "val_analytic_tau" in metrics["best"] and "val_conf_ece" in metrics["best"]
     from draftforge.drafter.dspark import DSparkDrafter
     from draftforge.drafter.export import load_drafter
 
-    assert isinstance(load_drafter(out / "drafter"), DSparkDrafter)
+    drafter = load_drafter(out / "drafter")
+    assert isinstance(drafter, DSparkDrafter) and drafter.markov_head.markov_w2.weight.shape == (64, 8)  # (D, r)
 
 
 def test_stage_resumes_an_interrupted_mtp_head(tiny_target_info, items, tmp_path, monkeypatch):
