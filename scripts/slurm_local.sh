@@ -3,6 +3,8 @@
 # slurm profile's test and for trying `--workflow-profile profiles/slurm` without a real cluster
 # (docs/cluster.md). Container-friendly: no cgroups (proctrack/linuxproc, task/none), no slurmdbd.
 #   bash scripts/slurm_local.sh start [DIR]    # configure + start; prints the environment line (below)
+#     with SLURM_LOCAL_OWNER=PID: a watcher stops the cluster once that process is gone, however it ended
+#     (a test session killed mid-run leaves no daemon or job behind)
 #   bash scripts/slurm_local.sh status [DIR]   # sinfo of the running cluster
 #   bash scripts/slurm_local.sh stop [DIR]     # stop the daemons this script started (by their pid files)
 #   bash scripts/slurm_local.sh env [DIR]      # `export SLURM_CONF=DIR/slurm.conf PATH=DIR/bin:$PATH`
@@ -139,8 +141,29 @@ wait_idle() {
   die "node not idle after ${START_TIMEOUT}s (sinfo state: '${state:-none}'; logs: $DIR/log)"
 }
 
-stop_all() {  # only the daemons whose pid files this script's start wrote
+start_watcher() {  # with SLURM_LOCAL_OWNER: stop this cluster once that process has exited
+  [[ -n "${SLURM_LOCAL_OWNER:-}" ]] || return 0
+  kill -0 "$SLURM_LOCAL_OWNER" 2>/dev/null || die "SLURM_LOCAL_OWNER=$SLURM_LOCAL_OWNER is not a running process"
+  pid_alive "$DIR/watcher.pid" && return 0
+  SLURM_LOCAL_WATCHER=1 setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; exec bash "$2" stop "$3"' \
+    _ "$SLURM_LOCAL_OWNER" "$REPO/scripts/slurm_local.sh" "$DIR" </dev/null >>"$DIR/log/watcher.log" 2>&1 &
+  echo $! >"$DIR/watcher.pid"
+}
+
+cancel_jobs() {  # every job of this cluster's controller, so no job step outlives its slurmd
+  pid_alive "$DIR/slurmctld.pid" || return 0
+  SLURM_CONF="$CONF" scancel --user="$(id -un)" 2>/dev/null || return 0
+  for _ in $(seq 20); do
+    [[ -z "$(SLURM_CONF="$CONF" squeue -h -o %i 2>/dev/null)" ]] && return 0
+    sleep 0.5
+  done
+}
+
+stop_all() {  # only the daemons (and the watcher) this script's start wrote pid files for
   local name pid
+  cancel_jobs
+  if [[ -z "${SLURM_LOCAL_WATCHER:-}" ]] && pid_alive "$DIR/watcher.pid"; then kill "$(cat "$DIR/watcher.pid")" 2>/dev/null || true; fi
+  rm -f "$DIR/watcher.pid"
   for name in slurmd slurmctld munged; do
     if pid_alive "$DIR/$name.pid"; then
       pid="$(cat "$DIR/$name.pid")"
@@ -161,6 +184,7 @@ case "$CMD" in
     start_daemon slurmctld -c
     start_daemon slurmd -N "$(hostname -s)"
     wait_idle
+    start_watcher
     env_line
     ;;
   stop) stop_all ;;

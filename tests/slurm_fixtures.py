@@ -49,14 +49,20 @@ def _unavailable(reason: str) -> None:
     pytest.skip(f"no local SLURM cluster: {reason}")
 
 
-def local_slurm(folder: Path) -> Iterator[LocalSlurm]:
-    """Start the cluster in `folder`, yield it, stop its daemons (whatever the tests did)."""
+def local_slurm(folder: Path, owner: int | None = None, port: int | None = None) -> Iterator[LocalSlurm]:
+    """Start the cluster in `folder`, yield it, stop its daemons (whatever the tests did). Its owner (this process
+    unless given) is watched: if the owner dies without stopping it (a test session killed mid-run), the cluster
+    stops itself. `port`: the first port the controller may take (the script's default otherwise)."""
     path = f"{os.environ['PATH']}:{SBIN}"
     missing = [d for d in DAEMONS if shutil.which(d, path=path) is None]
     if missing:
         _unavailable(f"{', '.join(missing)} not installed (Debian slurmctld slurmd slurm-client munge: "
                      "scripts/setup.sh --test)")
-    started = subprocess.run(["bash", str(SCRIPT), "start", str(folder)], capture_output=True, text=True, timeout=180)
+    env = {**os.environ, "SLURM_LOCAL_OWNER": str(os.getpid() if owner is None else owner)}
+    if port is not None:
+        env["SLURM_LOCAL_PORT"] = str(port)
+    started = subprocess.run(["bash", str(SCRIPT), "start", str(folder)], capture_output=True, text=True, timeout=180,
+                             env=env)  # fmt: skip
     try:
         if started.returncode != 0:
             reasons = [line for line in started.stderr.splitlines() if line.startswith("[slurm_local]")]
