@@ -134,7 +134,7 @@ def drafter_kinds() -> dict:
         return head
 
     return {
-        "dflash": (lambda tm: tiny_drafter(tm, seed=3), ("dflash", "ddtree")),
+        "dflash": (lambda tm: tiny_drafter(tm, seed=3), ("dflash", "ddtree", "ddtree_lookup")),
         "dflash_sliding": (lambda tm: tiny_drafter(tm, seed=3, layers=2, window=4), ("dflash", "ddtree")),
         "dflash_draft_vocab": (lambda tm: tiny_drafter(tm, seed=3, draft_ids=some_ids(tm.vocab_size, tm.vocab_size * 2 // 3)),
                                ("dflash", "ddtree")),

@@ -21,18 +21,19 @@ def test_builtin_types_state_the_branch_rules():
     rules = {n: (t.engine_methods, t.tree_methods, t.chain_method, t.vllm_methods, dict(t.default_loss_weights), t.artifact)
              for n, t in registry.drafter_types().items() if n in ("dflash", "dspark", "mtp")}
     assert rules == {
-        "dflash": (("dflash", "ddtree"), ("ddtree",), "dflash", ("dflash", "ngram", "eagle3"), {"ce": 1.0}, "drafter"),
+        "dflash": (("dflash", "ddtree", "ddtree_lookup"), ("ddtree", "ddtree_lookup"), "dflash", ("dflash", "ngram", "eagle3"),
+                   {"ce": 1.0}, "drafter"),
         "dspark": (("dspark", "ddtree", "ddtree_markov"), ("ddtree", "ddtree_markov"), "dspark", ("dspark",),
                    {"tv": 1.8, "ce": 0.1}, "drafter"),
         "mtp": (("mtp",), (), "mtp", ("mtp",), {"ce": 1.0}, "mtp"),
     }
-    assert registry.tree_methods()[:2] == ("ddtree", "ddtree_markov")
+    assert registry.tree_methods()[:3] == ("ddtree", "ddtree_lookup", "ddtree_markov")
     assert registry.served_vllm_methods()[:3] == ("dflash", "dspark", "mtp")
     assert registry.artifact_of_method("ddtree") == "drafter" and registry.artifact_of_method("ar") is None
     assert registry.source_key_of_method("mtp") == "mtp_source" and registry.source_key_of_method("dflash") is None
     assert registry.reference_type().name == "mtp"
     order = registry.method_order()
-    assert sorted(order, key=order.get)[:6] == ["ar", "mtp", "dflash", "dspark", "ddtree", "ddtree_markov"]
+    assert sorted(order, key=order.get)[:7] == ["ar", "mtp", "dflash", "dspark", "ddtree", "ddtree_lookup", "ddtree_markov"]
     assert branch_methods("dspark", ["ar", "dflash", "ddtree", "mtp", "dspark", "ddtree_markov"]) == ["ar", "ddtree", "dspark", "ddtree_markov"]
     assert branch_vllm_methods("dflash", ["ar", "ngram", "dflash", "dspark", "mtp"]) == ["ar", "ngram", "dflash"]
     assert default_loss_weights("dspark") == {"tv": 1.8, "ce": 0.1}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftforge.engine import generate_ar, generate_ddtree, generate_dflash, sample, wrap_target  # noqa: E402
+from draftforge.engine import generate, generate_ar, generate_ddtree, generate_dflash, sample, wrap_target  # noqa: E402
 from draftforge.engine.loops import verify_round  # noqa: E402
 from draftforge.engine.methods import Features, make_method  # noqa: E402
 from draftforge.engine.span import chain_span  # noqa: E402
@@ -173,6 +173,7 @@ def test_compaction_equals_recomputing_the_accepted_path(arch):
     [
         ("ddtree", 1.0, "Qwen3ForCausalLM"),
         ("ddtree", 1.0, "Qwen3_5ForCausalLM"),  # hybrid: tree verification through GDN layers
+        ("ddtree_lookup", 1.0, "Qwen3ForCausalLM"),  # the prompt-lookup branch: a 4-token vocabulary repeats
         pytest.param("ddtree", 0.7, "Qwen3ForCausalLM", marks=pytest.mark.integration),  # slower variants
         pytest.param("dflash", 1.0, "Qwen3ForCausalLM", marks=pytest.mark.integration),
     ],
@@ -198,8 +199,8 @@ def test_sampling_matches_target_distribution(method, temperature, arch):
     counts: Counter = Counter()
     accepted_deep = 0
     for _ in range(n):
-        if method == "ddtree":
-            res = generate_ddtree(tm, drafter, p, n_tok, budget=12, temperature=temperature, generator=gen)
+        if method in ("ddtree", "ddtree_lookup"):
+            res = generate(tm, make_method(method, tm, drafter, 12), p, n_tok, temperature=temperature, generator=gen)
         else:
             res = generate_dflash(tm, drafter, p, n_tok, temperature=temperature, generator=gen)
         counts[tuple(res.tokens)] += 1

@@ -54,7 +54,7 @@ def test_static_engine_equals_eager_in_tokens_and_accept_lengths(arch, kind):
     build, names = drafter_kinds()[kind]
     d = build(tm)
     budgets = (1, 16)
-    plan = [(m, b) for m in names for b in (budgets if m in ("ddtree", "ddtree_markov") else (None,))]
+    plan = [(m, b) for m in names for b in (budgets if m in ("ddtree", "ddtree_markov", "ddtree_lookup") else (None,))]
     block = d if kind != "mtp" else None
     sizes = [make_method(m, tm, d, b).verify_size for m, b in plan]
     eng = CapturedEngine(tm, 192, verify_buckets(sizes), drafter=block)

@@ -9,6 +9,7 @@ replayed as CUDA graphs (`generate(..., engine=CapturedEngine(...))`).
 """
 
 from draftforge.engine import dspark as _dspark  # noqa: F401  (registers dspark, ddtree_markov)
+from draftforge.engine import lookup as _lookup  # noqa: F401  (registers ddtree_lookup)
 from draftforge.engine.graph import BucketError, CapturedEngine, verify_buckets
 from draftforge.engine.loops import GenResult, generate, generate_ar, generate_ddtree, generate_dflash
 from draftforge.engine.methods import METHODS, Features, Method, make_method

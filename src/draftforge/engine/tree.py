@@ -76,6 +76,38 @@ def build_tree(bonus: int, logp: list[list[float]], tokens: list[list[int]], bud
     return tree
 
 
+def graft_chain(tree: Tree, chain: list[int], step_logp: float, budget: int) -> Tree:
+    """`tree` (a best-first tree) with the path `chain` from its root added, then its `budget` best nodes.
+
+    The chain's node at depth i scores i · step_logp (a node it shares with the tree keeps the higher score), so
+    scores never rise along a path: the best `budget` nodes by (score, depth) are a prefix-closed tree and come out
+    in topological order. Tokens, scores and the acceptance rule are unchanged for the nodes the tree keeps."""
+    tokens, parents, depths, scores = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores)
+    child = tree.children()
+    node = 0
+    for i, tok in enumerate(chain, start=1):
+        nxt = child.get((node, tok))
+        if nxt is None:
+            nxt = len(tokens)
+            tokens.append(tok)
+            parents.append(node)
+            depths.append(i)
+            scores.append(i * step_logp)
+            child[(node, tok)] = nxt
+        else:
+            scores[nxt] = max(scores[nxt], i * step_logp)
+        node = nxt
+    out = Tree(tokens=[tokens[0]], parents=[-1], depths=[0], scores=[0.0])
+    index = {0: 0}  # node → its index in `out`
+    for j in sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j]))[:budget]:
+        index[j] = len(out.tokens)
+        out.tokens.append(tokens[j])
+        out.parents.append(index[parents[j]])
+        out.depths.append(depths[j])
+        out.scores.append(scores[j])
+    return out
+
+
 def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents, depths (n,) → bool (n, n): [i, j] = j is i or an ancestor of i.
 

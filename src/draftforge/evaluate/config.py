@@ -129,7 +129,7 @@ class EvaluateConfig:
         check(bool(self.datasets), "evaluate.datasets", "empty, nothing to evaluate; name at least one prompt set "
               "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
         check(bool(self.methods), "evaluate.methods", "empty; list at least one method (ar, dflash, ddtree, ...)")
-        check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or "ddtree" not in self.methods),
+        check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or not set(self.methods) & set(tree_methods())),
               "evaluate.budgets", f"{list(self.budgets)} must be a non-empty list of integers >= 1")  # fmt: skip
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "evaluate.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip

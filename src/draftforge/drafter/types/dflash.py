@@ -1,5 +1,5 @@
 """The `dflash` drafter type: the DFlash block-diffusion drafter (drafter/model.py), exported in the layout
-vLLM's `dflash` method loads. Engine: the `dflash` chain and the `ddtree` tree; vLLM: `dflash`, plus the
+vLLM's `dflash` method loads. Engine: the `dflash` chain and the `ddtree` / `ddtree_lookup` trees; vLLM: `dflash`, plus the
 drafter-free n-gram / EAGLE-3 baselines, which ride with this branch."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ARCHITECTURE = "DFlashDraftModel"
 @register_drafter_type
 def dflash() -> DrafterType:
     return DrafterType(
-        name=NAME, title="DFlash", chain_method="dflash", tree_methods=("ddtree",),
+        name=NAME, title="DFlash", chain_method="dflash", tree_methods=("ddtree", "ddtree_lookup"),
         vllm_methods=("dflash", "ngram", "eagle3"), vllm_planners={"dflash": f"{__name__}:plan_vllm"},
         default_loss_weights={"ce": 1.0}, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.config:DFlashConfig"},
