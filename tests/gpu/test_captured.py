@@ -10,6 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from draftforge.drafter.registry import tree_methods  # noqa: E402  (torch-free)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -65,7 +66,7 @@ def test_captured_equals_eager_every_method_and_drafter_type_fp32(arch: str, var
     d = build(tm)
     tm.hf.to("cuda", torch.float32)
     d = d.to("cuda", torch.float32)
-    plan = [(m, b) for m in names for b in ((1, 16) if m in ("ddtree", "ddtree_markov") else (None,))]
+    plan = [(m, b) for m in names for b in ((1, 16) if m in tree_methods() else (None,))]
     sizes = [make_method(m, tm, d, b).verify_size for m, b in plan]
     eng = CapturedEngine(tm, 256, verify_buckets(sizes), drafter=None if kind == "mtp" else d,
                          compile=variant == "compiled")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from draftforge.drafter.registry import tree_methods  # noqa: E402
 from draftforge.engine import METHODS, CapacityError, generate, make_method  # noqa: E402
 from draftforge.engine.draft import DrafterContext  # noqa: E402
 from draftforge.engine.graph import BucketError, CapturedEngine, verify_buckets  # noqa: E402
@@ -54,7 +55,7 @@ def test_static_engine_equals_eager_in_tokens_and_accept_lengths(arch, kind):
     build, names = drafter_kinds()[kind]
     d = build(tm)
     budgets = (1, 16)
-    plan = [(m, b) for m in names for b in (budgets if m in ("ddtree", "ddtree_markov", "ddtree_lookup") else (None,))]
+    plan = [(m, b) for m in names for b in (budgets if m in tree_methods() else (None,))]
     block = d if kind != "mtp" else None
     sizes = [make_method(m, tm, d, b).verify_size for m, b in plan]
     eng = CapturedEngine(tm, 192, verify_buckets(sizes), drafter=block)
