@@ -20,7 +20,9 @@ def tiny_pipeline(results_root: Path, experiment: str = "smoke", drafter_std: fl
     dspark_rank > 0: a DSpark drafter with a random (non-zero) Markov head of that rank, in the dspark branch
     (evaluate then runs with drafter=dspark); else the dflash branch."""
     branch = "dspark" if dspark_rank else "dflash"
-    cfg = compose(experiment, ["target=tiny-random", f"results_root={results_root}", f"drafter={branch}"])
+    # the whole vocabulary: tiny-random's 512 tokens are fewer than conf/drafter/dspark.yaml's 8,192-token draft vocabulary
+    cfg = compose(experiment, ["target=tiny-random", f"results_root={results_root}", f"drafter={branch}",
+                               "drafter.draft_vocab_size=0"])
     info = resolve_target(cfg.target, results_root)
     write_json(stage_marker(results_root, cfg.experiment_name, "target"), info)
     dcfg = DFlashConfig.from_target(info, cfg.drafter)

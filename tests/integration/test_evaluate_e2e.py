@@ -140,7 +140,8 @@ def test_torchrun_data_parallel_cpu(tmp_path):
 
 def test_stage_with_a_dspark_drafter_runs_markov_methods_losslessly(tmp_path):
     tiny_pipeline(tmp_path, dspark_rank=8)
-    run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "evaluate.datasets=[chitchat]",
+    # drafter.draft_vocab_size=0: the tiny target's 512 tokens are fewer than conf/drafter/dspark.yaml's 8,192
+    run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "drafter.draft_vocab_size=0", "evaluate.datasets=[chitchat]",
                                            "evaluate.methods=[ar,dflash,dspark,ddtree,ddtree_markov,mtp]"))
     rows = json.loads((tmp_path / "smoke" / "evaluate" / "dspark" / "evaluate.json").read_text())["rows"]
     got = [(r["method"], r["budget"]) for r in rows]  # the dspark branch's methods only (branch_methods)
@@ -151,12 +152,12 @@ def test_stage_with_a_dspark_drafter_runs_markov_methods_losslessly(tmp_path):
     assert sum(r.get("best_budget", False) for r in rows) == 2  # one per tree method
 
 
-def test_dflash_drafter_refuses_markov_methods(tmp_path):
+def test_dflash_drafter_refuses_markov_methods(tmp_path, capsys):
     import shutil
-
-    from draftforge.errors import StageError
 
     tiny_pipeline(tmp_path)  # a DFlash export in the dflash branch, put where the dspark branch reads its drafter
     shutil.copytree(tmp_path / "smoke" / "train" / "dflash", tmp_path / "smoke" / "train" / "dspark")
-    with pytest.raises((StageError, SystemExit)):
-        run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "evaluate.methods=[ar,ddtree_markov]"))
+    with pytest.raises(SystemExit) as err:  # run_stage: the StageError as one stderr line and exit code 2
+        run_stage("evaluate", main, argv=_args(tmp_path, "drafter=dspark", "drafter.draft_vocab_size=0",
+                                               "evaluate.methods=[ar,ddtree_markov]"))
+    assert err.value.code == 2 and "['ddtree_markov'] need a DSpark drafter" in capsys.readouterr().err
