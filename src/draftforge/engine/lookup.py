@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from draftforge.engine.methods import METHODS, DDTree, Features
-from draftforge.engine.tree import Tree, build_tree, draft_topk, graft_chain
+from draftforge.engine.tree import Tree, graft_chain
 
 N_MIN, N_MAX = 2, 4  # n-gram lengths looked up, longest first (vLLM's prompt-lookup defaults for ngram)
 
@@ -84,8 +84,7 @@ class DDTreeLookup(DDTree):
         self.index.extend(path)
 
     def build(self, drafted: Any, bonus: int) -> Tree:
-        logp, toks = draft_topk(drafted, min(self.budget, drafted.shape[-1]))
-        tree = build_tree(bonus, logp, toks, self.budget)
+        tree = super().build(drafted, bonus)  # DDTree's own tree of `budget` nodes
         chain = self.index.continuation(self.budget, after=[bonus])
         if not chain:
             self.offered = []

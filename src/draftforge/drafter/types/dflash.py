@@ -1,6 +1,6 @@
 """The `dflash` drafter type: the DFlash block-diffusion drafter (drafter/model.py), exported in the layout
-vLLM's `dflash` method loads. Engine: the `dflash` chain and the `ddtree` / `ddtree_lookup` trees; vLLM: `dflash`, plus the
-drafter-free n-gram / EAGLE-3 baselines, which ride with this branch."""
+vLLM's `dflash` method loads. Engine: the `dflash` chain and the `ddtree` / `ddtree_lookup` trees; vLLM:
+`dflash`, plus the drafter-free n-gram / EAGLE-3 baselines, which ride with this branch."""
 
 from __future__ import annotations
 
