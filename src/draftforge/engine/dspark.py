@@ -37,7 +37,7 @@ import torch
 from draftforge.engine import cpu_linear
 from draftforge.engine.methods import METHODS, BlockMethod, tree_budget
 from draftforge.engine.target import TargetModel
-from draftforge.engine.tree import Tree, chain_tree
+from draftforge.engine.tree import Tree, best_nodes, chain_tree
 
 
 def require_dspark(drafter: Any, method: str) -> None:
@@ -207,15 +207,7 @@ def build_markov_tree(bonus: int, base: torch.Tensor, bias, budget: int, batch: 
         frontier = frontier[keep]
     ids, sc, dp = accepted.tolist(), scores[accepted].tolist(), depths[accepted].tolist()
     par, tk = parents.tolist(), toks.tolist()
-    index = {0: 0}  # node id → tree index
-    for i in sorted(range(len(ids)), key=lambda i: (-sc[i], dp[i]))[:budget]:
-        node = ids[i]
-        index[node] = len(tree.tokens)
-        tree.tokens.append(tk[node])
-        tree.parents.append(index[par[node]])
-        tree.depths.append(dp[i])
-        tree.scores.append(sc[i])
-    return tree
+    return best_nodes(bonus, [(node, par[node], tk[node], d, s) for node, d, s in zip(ids, dp, sc)], budget)
 
 
 METHODS.update({"dspark": DSparkChain, "ddtree_markov": DDTreeMarkov})

@@ -97,15 +97,22 @@ def graft_chain(tree: Tree, chain: list[int], step_logp: float, budget: int) -> 
         else:
             scores[nxt] = max(scores[nxt], i * step_logp)
         node = nxt
-    out = Tree(tokens=[tokens[0]], parents=[-1], depths=[0], scores=[0.0])
-    index = {0: 0}  # node → its index in `out`
-    for j in sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j]))[:budget]:
-        index[j] = len(out.tokens)
-        out.tokens.append(tokens[j])
-        out.parents.append(index[parents[j]])
-        out.depths.append(depths[j])
-        out.scores.append(scores[j])
-    return out
+    return best_nodes(tokens[0], [(j, parents[j], tokens[j], depths[j], scores[j]) for j in range(1, len(tokens))], budget)
+
+
+def best_nodes(root: int, nodes: list[tuple[int, int, int, int, float]], budget: int) -> Tree:
+    """Candidate nodes (id, parent id, token, depth, score; the root's id is 0) of a tree whose scores never rise along
+    a path → its `budget` best by score, the shallower first on a tie (in input order after that), as a Tree. A parent
+    scores at least its child and is shallower, so the kept set is prefix-closed and comes out topologically ordered."""
+    tree = Tree(tokens=[root], parents=[-1], depths=[0], scores=[0.0])
+    index = {0: 0}  # node id → its index in `tree`
+    for node, parent, token, depth, score in sorted(nodes, key=lambda n: (-n[4], n[3]))[:budget]:
+        index[node] = len(tree.tokens)
+        tree.tokens.append(token)
+        tree.parents.append(index[parent])
+        tree.depths.append(depth)
+        tree.scores.append(score)
+    return tree
 
 
 def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> torch.Tensor:
