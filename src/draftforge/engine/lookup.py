@@ -32,28 +32,30 @@ class NgramIndex:
             raise ValueError(f"prompt lookup: n-gram lengths {n_min}..{n_max} need 1 <= n_min <= n_max")
         self.n_min, self.n_max = n_min, n_max
         self.ids: list[int] = []
-        self.last: dict[tuple[int, ...], int] = {}  # n-gram → the position right after its latest occurrence
-        self._indexed = 0  # n-grams ending at positions < this are in `last`
+        # n-gram → the position right after its latest occurrence; holds every n-gram ending before the last token
+        self.last: dict[tuple[int, ...], int] = {}
 
     def reset(self, ids: Sequence[int]) -> None:
-        self.ids, self.last, self._indexed = [], {}, 0
+        self.ids, self.last = [], {}
         self.extend(ids)
 
     def extend(self, ids: Sequence[int]) -> None:
+        # the n-grams ending at the old last position and the new ones but the last: the suffix itself must find an
+        # earlier occurrence, so an n-gram is indexed once a token follows it
+        first = max(len(self.ids), 1)
         self.ids.extend(int(t) for t in ids)
-        # index every n-gram that ends before the last token: the suffix itself must find an earlier occurrence
-        for end in range(max(self._indexed, 1), len(self.ids)):
+        for end in range(first, len(self.ids)):
             for n in range(self.n_min, min(self.n_max, end) + 1):
                 self.last[tuple(self.ids[end - n : end])] = end
-        self._indexed = max(self._indexed, len(self.ids))
 
     def continuation(self, k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to k tokens that followed the longest matching suffix of ids + `after` (not yet committed)."""
-        seq = self.ids + [int(t) for t in after]
-        for n in range(min(self.n_max, len(seq)), self.n_min - 1, -1):
-            pos = self.last.get(tuple(seq[len(seq) - n :]))
-            if pos is not None:
-                return seq[pos : pos + k]
+        after = [int(t) for t in after]
+        tail = (self.ids[-self.n_max :] + after)[-self.n_max :]  # the suffixes looked up (not the whole sequence)
+        for n in range(min(self.n_max, len(tail)), self.n_min - 1, -1):
+            pos = self.last.get(tuple(tail[len(tail) - n :]))
+            if pos is not None:  # pos < len(ids): what followed runs on into `after` at most
+                return (self.ids[pos : pos + k] + after)[:k]
         return []
 
 
