@@ -33,7 +33,7 @@ from draftforge import chat  # noqa: E402
 from draftforge.config import compose  # noqa: E402
 from draftforge.drafter.export import load_drafter  # noqa: E402
 from draftforge.evaluate.prompts import eval_and_calibration_sets  # noqa: E402
-from draftforge.evaluate.runner import _with_answers, split_turns  # noqa: E402
+from draftforge.evaluate.runner import _with_answers, answer_message, split_turns  # noqa: E402
 from draftforge.target.load import load_target_model, load_tokenizer  # noqa: E402
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
@@ -61,7 +61,7 @@ def served_items(responses: list[dict], prompts: list, tok, mode, target: Online
             mask[len(prompt):] = 1  # the answer's tokens are the labels, as curate masks a regenerated turn
             taps, last = target.features(ids)
             items.append((torch.from_numpy(ids), torch.from_numpy(mask), taps, last))
-            earlier.append({"role": "assistant", "content": tok.decode(answers[turn], skip_special_tokens=True)})
+            earlier.append(answer_message(tok, answers[turn]))  # as the evaluate stage continues a conversation
     return items
 
 

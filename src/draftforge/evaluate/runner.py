@@ -183,9 +183,13 @@ def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messag
             stream = zlib.crc32(f"{seed}/{dataset}/{split}/{method[0]}/{method[1]}/{index}/{turn}".encode())
             out[-1]["pit"] = [round(u, 6) for u in pit_values(es.tm, ids, res.tokens, temperature, stream)]
         if turn + 1 < len(turns):
-            history_extra.append({"role": "assistant",
-                                  "content": es.tokenizer.decode(res.tokens, skip_special_tokens=True)})
+            history_extra.append(answer_message(es.tokenizer, res.tokens))
     return out
+
+
+def answer_message(tokenizer: Any, tokens: Sequence[int]) -> dict[str, str]:
+    """A generated answer as the assistant turn a later user turn follows (its text, special tokens dropped)."""
+    return {"role": "assistant", "content": tokenizer.decode(list(tokens), skip_special_tokens=True)}
 
 
 def _with_answers(conv: Messages, answers: list[dict[str, str]]) -> Messages:
