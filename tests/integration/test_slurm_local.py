@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,18 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _running(cmdline: str) -> bool:
+    """Whether a process of this exact command line runs (read from /proc: no procps needed)."""
+    want = cmdline.encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().replace(b"\0", b" ").strip() == want:
+                return True
+        except OSError:  # the process ended while it was read
+            continue
+    return False
 
 
 def _wait(cond, seconds: float) -> bool:
@@ -43,7 +56,7 @@ def test_a_cluster_stops_with_its_jobs_once_its_owner_is_killed(tmp_path):
         marker = f"sleep 600.{uuid.uuid4().int % 10**9:09d}"  # this job's own process, found by its command line
         subprocess.run(["sbatch", f"--chdir={tmp_path}", "--output=/dev/null", "--wrap", marker], env=cluster.env,
                        check=True, capture_output=True, timeout=60)  # fmt: skip
-        running = _wait(lambda: subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 0, 60)
+        running = _wait(lambda: _running(marker), 60)
         assert running, f"the job never started: {cluster.squeue()}"
         assert all(_alive(p) for p in daemons.values())
 
@@ -51,7 +64,7 @@ def test_a_cluster_stops_with_its_jobs_once_its_owner_is_killed(tmp_path):
         owner.wait()
         gone = _wait(lambda: not any(_alive(p) for p in daemons.values()), 60)
         assert gone, {n: _alive(p) for n, p in daemons.items()}
-        assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1, "the job outlived its cluster"
+        assert not _running(marker), "the job outlived its cluster"
         assert not any((folder / f"{n}.pid").exists() for n in daemons)
     finally:
         owner.kill()

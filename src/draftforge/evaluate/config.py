@@ -129,7 +129,8 @@ class EvaluateConfig:
         check(bool(self.datasets), "evaluate.datasets", "empty, nothing to evaluate; name at least one prompt set "
               "(e.g. evaluate.datasets=[humaneval,gsm_symbolic,chitchat])")
         check(bool(self.methods), "evaluate.methods", "empty; list at least one method (ar, dflash, ddtree, ...)")
-        check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or not set(self.methods) & set(tree_methods())),
+        trees = bool(set(self.methods) & set(tree_methods()))  # a tree method is planned: budgets matter
+        check(all(int(b) >= 1 for b in self.budgets) and (bool(self.budgets) or not trees),
               "evaluate.budgets", f"{list(self.budgets)} must be a non-empty list of integers >= 1")  # fmt: skip
         check(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "evaluate.temperatures",
               f"{list(self.temperatures)} must be a non-empty list of values >= 0")  # fmt: skip
@@ -149,7 +150,7 @@ class EvaluateConfig:
         check(self.engine in ENGINES, "evaluate.engine", f"{self.engine!r} is not one of {list(ENGINES)}")
         check(self.engine_capacity >= 1, "evaluate.engine_capacity", f"{self.engine_capacity} must be >= 1")
         if self.engine != "eager":  # the fixed capacity holds prompt + max_new_tokens + the largest verify
-            verify = 1 + (max(int(b) for b in self.budgets) if set(self.methods) & set(tree_methods()) else 0)
+            verify = 1 + (max(int(b) for b in self.budgets) if trees else 0)
             need = self.max_new_tokens + verify
             check(need < self.engine_capacity, "evaluate.engine_capacity",
                   f"{self.engine_capacity} rows cannot hold evaluate.max_new_tokens {self.max_new_tokens} + a verify "
