@@ -142,7 +142,7 @@ def warm_up(tm, method, prompt: list[int], budget: int | None, block: int) -> No
     """A short untimed decode, then every product route a decode may meet chosen, by the evaluate stage's rule
     (cpu_linear.decode_rows): no timed round pays for a route's timing."""
     generate(tm, method, prompt, 4)
-    cpu_linear.pretune(sorted(cpu_linear.decode_rows(block, [budget] if budget else [])))
+    cpu_linear.pretune(sorted(cpu_linear.decode_rows(block, [(budget + 1, method.verify_size)] if budget else [])))
 
 
 def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:

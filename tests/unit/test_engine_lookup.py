@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
 from draftforge.engine import generate, generate_ar, generate_ddtree, make_method  # noqa: E402
-from draftforge.engine.lookup import NgramIndex  # noqa: E402
+from draftforge.engine.lookup import LOOKUP_DEPTH, MIN_PATH_ACCEPT, NgramIndex  # noqa: E402
+from draftforge.engine.methods import Features  # noqa: E402
 from draftforge.engine.tree import Tree, build_tree, graft_chain, walk  # noqa: E402
 from engine_fixtures import ARCHS, one_thread, prompt, tiny_drafter, tiny_target  # noqa: E402, F401
 
@@ -48,21 +51,53 @@ def _prefix_closed_topological(t: Tree) -> bool:
 
 def test_a_chain_on_the_trees_path_raises_its_scores_and_adds_nothing():
     base = _tree()
-    out = graft_chain(base, [10, 20], step_logp=-0.05, budget=3)
-    assert sorted(zip(out.tokens, out.depths)) == sorted(zip(base.tokens, base.depths))
+    out = graft_chain(base, [10, 20], step_logp=-0.05)
+    assert (out.tokens, out.parents, out.depths) == (base.tokens, base.parents, base.depths)
     assert out.scores[out.tokens.index(10)] == pytest.approx(-0.05)
     assert out.scores[out.tokens.index(20)] == pytest.approx(-0.1)  # max(−0.3, 2 · −0.05)
 
 
-def test_a_diverging_chain_takes_the_budget_by_score_and_stays_a_tree():
-    base = _tree()  # nodes 10, 11 at depth 1 (or 20 at depth 2): the best 3 by summed log-prob
-    out = graft_chain(base, [12, 30, 31], step_logp=-0.16, budget=3)  # −0.16, −0.32, −0.48
-    assert len(out) == 4 and _prefix_closed_topological(out)
-    assert out.tokens[1:] == [10, 12, 20]  # by score: 10 (−0.1), 12 (−0.16), 20 (−0.3); 30 (−0.32) and 11 dropped
-    kept = graft_chain(base, [12, 30, 31], step_logp=-0.01, budget=4)
-    assert kept.tokens[1:4] == [12, 30, 31] and _prefix_closed_topological(kept)
+def test_a_diverging_chain_adds_its_nodes_after_the_tree_and_stays_a_tree():
+    base = _tree()  # 10, 11 at depth 1 and 20 under 10: the best 3 by summed log-prob
+    out = graft_chain(base, [10, 30, 31], step_logp=-0.16)  # shares 10, then leaves the tree
+    assert out.tokens[: len(base)] == base.tokens and out.parents[: len(base)] == base.parents  # the tree's nodes kept
+    assert out.tokens[len(base) :] == [30, 31] and len(out) == len(base) + 2 and _prefix_closed_topological(out)
+    assert out.scores[len(base) :] == pytest.approx([-0.32, -0.48])
     # the walk follows the grafted path like any other
-    assert [kept.tokens[i] for i in walk(kept, [12, 30, 31, 7, 0])] == [9, 12, 30, 31]
+    assert [out.tokens[i] for i in walk(out, [10, 30, 7, 7, 31, 0])] == [9, 10, 30, 31]
+
+
+def test_the_lookup_offers_its_path_as_deep_as_its_acceptance_pays():
+    tm = tiny_target(vocab=8, seed=4)
+    method = make_method("ddtree_lookup", tm, tiny_drafter(tm, seed=4, block=4), 2)
+    assert method.verify_size == 1 + 2 + LOOKUP_DEPTH
+    for accepted, tried in [(0, 0), (9, 10), (30, 30), (0, 8)]:
+        method.accepted, method.tried = accepted, tried
+        q = (accepted + 1) / (tried + 2)
+        depth = method.lookup_depth()
+        assert 0 <= depth <= LOOKUP_DEPTH
+        assert depth == LOOKUP_DEPTH or q ** (depth + 1) < MIN_PATH_ACCEPT
+        assert depth == 0 or q**depth >= MIN_PATH_ACCEPT
+    method.accepted, method.tried = 0, 0
+    assert method.lookup_depth() == 3  # q = 1/2: 1/8 >= 0.1 > 1/16
+    method.accepted, method.tried = 0, 8
+    assert method.lookup_depth() == 1  # q = 0.1: depth 1 still pays
+    method.accepted, method.tried = 0, 9
+    assert method.lookup_depth() == 0  # q = 1/11: nothing offered
+
+
+@pytest.mark.parametrize(("offered", "path", "tried", "accepted"), [
+    (1, [9, 5, 6], 2, 2),  # depth 2 was not offered but the target's token there is known: counted, accepted
+    (1, [9, 5], 1, 1),  # depth 2 not offered, the target's token there unknown (the next bonus): not counted
+    (2, [9, 5], 2, 1),  # depth 2 offered under an accepted depth 1, and the walk stopped: rejected
+    (3, [9, 4, 6], 1, 0),  # depth 1 rejected: nothing deeper counts
+])
+def test_the_lookup_learns_its_acceptance_from_what_the_target_committed(offered, path, tried, accepted):
+    tm = tiny_target(vocab=8, seed=4)
+    method = make_method("ddtree_lookup", tm, tiny_drafter(tm, seed=4, block=4), 2)
+    method.proposed, method.offered = [5, 6, 7], offered
+    method.observe(Features(None, torch.zeros(1, len(path), tm.hidden_size), torch.tensor([path])))
+    assert (method.tried, method.accepted) == (tried, accepted)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

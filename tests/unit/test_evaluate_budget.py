@@ -23,6 +23,9 @@ from draftforge.report import plots
 from draftforge.report.rows import AUTO_NAME, BEST_NAME, budget_choices
 from draftforge.report.stage import budget_choice_lines, markdown_table, summary_csv
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_fixtures import tiny_drafter, tiny_target  # noqa: E402
+
 
 @pytest.mark.parametrize(("override", "named"), [("evaluate.repeats=0", "evaluate.repeats"),
                                                  ("evaluate.calibration_prompts=-1", "evaluate.calibration_prompts")])
@@ -237,8 +240,6 @@ def test_stage_rows_and_calibration_split(tmp_path):
     calibration responses use prompts after the evaluation ones."""
     from draftforge.cli import run_stage
     from draftforge.evaluate.stage import main
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from evaluate_fixtures import tiny_pipeline
 
     tiny_pipeline(tmp_path)
@@ -261,9 +262,13 @@ def test_stage_rows_and_calibration_split(tmp_path):
 
 
 def test_decode_rows_cover_every_chunk_and_verify_a_plan_may_multiply():
-    plan = [("ar", None), ("dflash", None), ("ddtree", 3), ("ddtree", 64)]
-    es = SimpleNamespace(drafter=SimpleNamespace(block=16))
-    assert runner.decode_rows(es, plan) == set(range(1, 18)) | {4, 65}  # chunks 1…17, tree verifies budget + 1
-    es = SimpleNamespace(drafter=SimpleNamespace(block=32))
+    from draftforge.engine.lookup import LOOKUP_DEPTH
+
+    tm = tiny_target()
+    plan = [("ar", None), ("dflash", None), ("ddtree", 3), ("ddtree", 64), ("ddtree_lookup", 3)]
+    es = SimpleNamespace(tm=tm, drafter=tiny_drafter(tm, block=16))
+    # chunks 1…17, DDTree verifies budget + 1, the lookup's tree budget + 1 … budget + 1 + LOOKUP_DEPTH
+    assert runner.decode_rows(es, plan) == set(range(1, 18)) | {65} | set(range(4, 5 + LOOKUP_DEPTH))
+    es = SimpleNamespace(tm=tm, drafter=tiny_drafter(tm, block=32))
     assert runner.decode_rows(es, plan[:2]) == set(range(1, 34))
-    assert runner.decode_rows(SimpleNamespace(drafter=None), [("ar", None)]) == set(range(1, 18))
+    assert runner.decode_rows(SimpleNamespace(tm=tm, drafter=None), [("ar", None)]) == set(range(1, 18))

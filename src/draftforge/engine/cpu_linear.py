@@ -165,11 +165,12 @@ def _choose(group: _Group, p: str, rows: int, w0: torch.Tensor) -> str:
     return route
 
 
-def decode_rows(block: int, budgets: Iterable[int]) -> set[int]:
+def decode_rows(block: int, tree_sizes: Iterable[tuple[int, int]]) -> set[int]:
     """Row counts the products of a decode may see: a drafter's context chunk or a chain's verify (1 … block + 1,
     at least 1 … 17: an MTP round, short chunks, a Markov tree's bias product of up to 16 nodes) and a tree's
-    verify (budget + 1 for each budget)."""
-    return set(range(1, max(block, 16) + 2)) | {int(b) + 1 for b in budgets}
+    verify (each (smallest, largest) verify size of a tree method: budget + 1, and up to the method's
+    `verify_size` where its tree grows past the budget)."""
+    return set(range(1, max(block, 16) + 2)) | {n for lo, hi in tree_sizes for n in range(int(lo), int(hi) + 1)}
 
 
 def pretune(rows: Iterable[int]) -> int:

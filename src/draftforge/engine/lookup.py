@@ -3,13 +3,14 @@ few tokens where they occurred before (docs/architecture.md, "Prompt lookup in t
 
 Answers copy from their context: code repeats its prompt's names, arithmetic its numbers, a rewrite its first
 draft. Each round looks up the longest suffix of the committed tokens + the bonus (`n_max` … `n_min` tokens) at
-its most recent earlier occurrence in the same context and proposes the tokens that followed it, up to the
-budget. `tree.graft_chain` adds that path to the DDTree tree and keeps the `budget` best nodes, so the verify
-size, the round's cost and the calibrated budget are DDTree's; without a match the tree is DDTree's.
+its most recent earlier occurrence in the same context and proposes the tokens that followed it. `tree.graft_chain`
+adds that path to DDTree's tree of `budget` nodes: the budget buys the drafter's nodes, the lookup's come on top.
 
-A lookup token's score is log q per depth, q its acceptance so far in this generation: (accepted + 1) ÷
-(offered + 2), counting a depth as offered only once the depth before it was accepted. The tree is verified and
-walked like any other, so decoding stays lossless at every temperature.
+The lookup offers its path as deep as it pays: depth i while q^i >= `MIN_PATH_ACCEPT`, at most `LOOKUP_DEPTH`,
+where q is a lookup token's acceptance so far in this generation, (accepted + 1) ÷ (offered + 2), a depth counted
+as offered only once the depth before it was accepted. So a round verifies 1 + budget nodes without a match and at
+most 1 + budget + LOOKUP_DEPTH with one. The tree is verified and walked like any other, so decoding stays lossless
+at every temperature.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from draftforge.engine.methods import METHODS, DDTree, Features
 from draftforge.engine.tree import Tree, graft_chain
 
 N_MIN, N_MAX = 2, 4  # n-gram lengths looked up, longest first (vLLM's prompt-lookup defaults for ngram)
+LOOKUP_DEPTH = 8  # the most lookup tokens one round offers beyond the budget
+# A lookup token at depth i is offered while q^i, its chance to be accepted, is at least this. On the 2-core CPU a
+# verify node costs ~2 ms of a ~55 ms round that commits ~1.9 tokens, so a node pays above ~0.07 (docs/benchmarks.md,
+# "Prompt-lookup tokens beyond the budget").
+MIN_PATH_ACCEPT = 0.1
 
 
 class NgramIndex:
@@ -66,41 +72,47 @@ class DDTreeLookup(DDTree):
 
     def __init__(self, tm: Any, drafter: Any, budget: int | None = None) -> None:
         super().__init__(tm, drafter, budget)
+        self.verify_size = 1 + self.budget + LOOKUP_DEPTH
         self.index = NgramIndex()
-        self.offered: list[int] = []  # the lookup tokens the last tree verifies, in chain order
+        self.proposed: list[int] = []  # this round's lookup path, LOOKUP_DEPTH deep at most
+        self.offered = 0  # how much of it the tree holds
         self.accepted = self.tried = 0
 
     def begin(self, feats: Features) -> None:
         super().begin(feats)
         self.index.reset([] if feats.ids is None else feats.ids[0].tolist())
-        self.offered, self.accepted, self.tried = [], 0, 0
+        self.proposed, self.offered, self.accepted, self.tried = [], 0, 0, 0
 
     def observe(self, feats: Features) -> None:
         super().observe(feats)
-        path = feats.ids[0].tolist()  # the old bonus, then the accepted drafts
-        for i, tok in enumerate(self.offered):  # depth i + 1 was offered with every depth before it accepted
+        path = feats.ids[0].tolist()  # the old bonus, then the accepted drafts: the target's tokens at depths < len
+        # Depth d of the proposed path counts as tried once every depth before it was accepted, and only where the
+        # target's token there is known: d < len(path), or d == len(path) if the tree held it (then rejected). So
+        # q also learns from the rounds that offered less than the lookup proposed.
+        for depth, tok in enumerate(self.proposed, start=1):
+            if depth > len(path) or (depth == len(path) and depth > self.offered):
+                break
             self.tried += 1
-            if i + 1 >= len(path) or path[i + 1] != tok:
+            if depth == len(path) or path[depth] != tok:
                 break
             self.accepted += 1
         self.index.extend(path)
 
+    def accept_rate(self) -> float:
+        """q: a lookup token's acceptance so far in this generation, in (0, 1)."""
+        return (self.accepted + 1) / (self.tried + 2)
+
+    def lookup_depth(self) -> int:
+        """How deep this round's lookup path goes: the largest i <= LOOKUP_DEPTH with q^i >= MIN_PATH_ACCEPT."""
+        return min(LOOKUP_DEPTH, int(math.log(MIN_PATH_ACCEPT) / math.log(self.accept_rate()) + 1e-9))
+
     def build(self, drafted: Any, bonus: int) -> Tree:
         tree = super().build(drafted, bonus)  # DDTree's own tree of `budget` nodes
-        chain = self.index.continuation(self.budget, after=[bonus])
-        if not chain:
-            self.offered = []
+        self.proposed = self.index.continuation(LOOKUP_DEPTH, after=[bonus])
+        self.offered = min(self.lookup_depth(), len(self.proposed))
+        if not self.offered:
             return tree
-        q = (self.accepted + 1) / (self.tried + 2)
-        tree = graft_chain(tree, chain, math.log(q), self.budget)
-        kept = tree.children()
-        self.offered, node = [], 0
-        for tok in chain:  # the chain's prefix the tree kept: what this round offers
-            node = kept.get((node, tok))
-            if node is None:
-                break
-            self.offered.append(tok)
-        return tree
+        return graft_chain(tree, self.proposed[: self.offered], math.log(self.accept_rate()))
 
 
 METHODS["ddtree_lookup"] = DDTreeLookup

@@ -76,12 +76,12 @@ def build_tree(bonus: int, logp: list[list[float]], tokens: list[list[int]], bud
     return tree
 
 
-def graft_chain(tree: Tree, chain: list[int], step_logp: float, budget: int) -> Tree:
-    """`tree` (a best-first tree) with the path `chain` from its root added, then its `budget` best nodes.
+def graft_chain(tree: Tree, chain: list[int], step_logp: float) -> Tree:
+    """`tree` with the path `chain` from its root added: the nodes it shares keep their index (and the higher of the
+    two scores), the new ones come after every node of `tree`, in chain order, so the result stays topological.
 
-    The chain's node at depth i scores i · step_logp (a node it shares with the tree keeps the higher score), so
-    scores never rise along a path: the best `budget` nodes by (score, depth) are a prefix-closed tree and come out
-    in topological order. Tokens, scores and the acceptance rule are unchanged for the nodes the tree keeps."""
+    The chain's node at depth i scores i · step_logp. Tokens and the acceptance rule are unchanged for every node of
+    `tree`; the result holds len(tree) + (the chain's tokens off the tree's paths) nodes."""
     tokens, parents, depths, scores = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores)
     child = tree.children()
     node = 0
@@ -97,7 +97,7 @@ def graft_chain(tree: Tree, chain: list[int], step_logp: float, budget: int) -> 
         else:
             scores[nxt] = max(scores[nxt], i * step_logp)
         node = nxt
-    return best_nodes(tokens[0], [(j, parents[j], tokens[j], depths[j], scores[j]) for j in range(1, len(tokens))], budget)
+    return Tree(tokens, parents, depths, scores)
 
 
 def best_nodes(root: int, nodes: list[tuple[int, int, int, int, float]], budget: int) -> Tree:

@@ -124,8 +124,9 @@ def calibration_plan(plan: Sequence[MethodCfg]) -> list[MethodCfg]:
 
 def decode_rows(es: EngineSet, plan: Sequence[MethodCfg]) -> set[int]:
     """Row counts the products of a decode of `plan` may see (engine/cpu_linear.decode_rows)."""
-    block = int(getattr(es.drafter, "block", 0) or 0)
-    return cpu_linear.decode_rows(block, [b for _, b in plan if b is not None])
+    block = int(getattr(getattr(es.drafter, "cfg", None), "block_size", 0) or 0)
+    return cpu_linear.decode_rows(block, [(b + 1, make_method(m, es.tm, es.drafter, b).verify_size)
+                                          for m, b in plan if b is not None])
 
 
 def warm_up(es: EngineSet, plan: list[MethodCfg], prompt: Messages, temperature: float, n: int) -> None:
