@@ -1,10 +1,13 @@
 """DDTree vs AR decode tokens/s on the real default-world target (CPU), measured in one run.
 
 Needs a finished `target` and `train` stage: results/<exp>/target/target.json and
-results/<exp>/train/dflash/drafter/. Runs AR, DFlash and DDTree (each budget) interleaved on the same
-prompts of one eval set (T = 0), checks losslessness, prints tokens/s, τ and DDTree tok/s ÷ AR tok/s.
+results/<exp>/train/<drafter>/drafter/. Runs the methods (AR, DFlash and DDTree by default; each tree method at
+each budget) interleaved on the same prompts of one eval set (T = 0), checks losslessness, prints tokens/s, τ,
+tok/s ÷ AR tok/s and the speedup (mean TPOT ratio, the evaluate stage's).
 
     python benchmarks/engine_cpu.py --experiment default --dataset humaneval --prompts 3 --budgets 16,32,64
+    python benchmarks/engine_cpu.py --results-root <run>/results --drafter dflash_aw_b4 --dataset mt_bench \
+        --prompts 6 --max-new-tokens 64 --methods ar,ddtree,ddtree_lookup --budgets 3,4,8
 Writes $OUT/engine_cpu.json when $OUT is set.
 """
 
@@ -39,6 +42,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--budgets", default="16,32,64")
+    ap.add_argument("--drafter", default="dflash", help="the train stage's drafter folder")
+    ap.add_argument("--methods", default="ar,dflash,ddtree")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     args = ap.parse_args()
     if args.threads:
@@ -47,11 +52,11 @@ def main() -> None:
     cfg = compose(args.experiment, overrides)
     root, exp = cfg.results_root, cfg.experiment_name
     info = read_target_info(stage_marker(root, exp, "target"))
-    drafter = load_drafter(stage_dir(root, exp, "train", "dflash") / "drafter", dtype=torch.float32, attn_impl="sdpa")
+    drafter = load_drafter(stage_dir(root, exp, "train", args.drafter) / "drafter", dtype=torch.float32, attn_impl="sdpa")
     tm = wrap_target(load_target_model(info), drafter.cfg.target_layer_ids)
     es = EngineSet(tm, drafter, load_tokenizer(info), [int(e) for e in info.get("eos_token_ids") or []], args.max_new_tokens,
                    chat_mode=ChatMode.of(cfg))
-    plan = method_plan(["ar", "dflash", "ddtree"], [int(b) for b in args.budgets.split(",")])
+    plan = method_plan(args.methods.split(","), [int(b) for b in args.budgets.split(",")])
     ev = cfg.evaluate
     ev.datasets = [args.dataset]
     prompts = eval_prompt_sets(ev, limit=args.prompts)[args.dataset]
@@ -60,12 +65,13 @@ def main() -> None:
     ar = next(r for r in rows if r["method"] == "ar")
     print(f"\n{info['name']} on CPU ({torch.get_num_threads()} threads), {args.dataset}, {len(prompts)} prompts, "
           f"{args.max_new_tokens} new tokens, T=0")
-    print(f"{'method':7} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'tau':>5} {'round ms':>9} {'ovh %':>6} {'mismatch':>8}")
+    print(f"{'method':14} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'speedup':>7} {'tau':>5} {'round ms':>9} {'ovh %':>6} "
+          f"{'mismatch':>8}")
     for r in rows:
         ratio = r["tokens_per_s"] / ar["tokens_per_s"]
         r["tokens_per_s_over_ar"] = ratio
-        print(f"{r['method']:7} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} {r['tau']:5.2f} "
-              f"{(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} {r['lossless_mismatches']:>8}")
+        print(f"{r['method']:14} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} {r['speedup_vs_ar']:7.2f} "
+              f"{r['tau']:5.2f} {(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} {r['lossless_mismatches']:>8}")
     write_record("engine_cpu", {"target": info["name"], "dataset": args.dataset, "rows": rows})
 
 
