@@ -174,6 +174,24 @@ def test_every_drafter_file_composes_as_a_branch(drafter: str) -> None:
         assert needs_last_layer(cfg) == reads_target
 
 
+def test_a_listed_drafter_reads_as_its_branch_composes_it(tmp_path) -> None:
+    """Listed drafters (not the composed branch) are read through Hydra too: a file extending another drafter
+    inherits its fields, and a bad key names the file."""
+    import shutil
+
+    from draftforge.drafter.settings import listed_drafters
+
+    other = compose("default", ["drafter=mtp"])  # dflash_aw_b4 listed, not composed
+    listed = listed_drafters(other, CONF_DIR)["dflash_aw_b4"]
+    assert listed == compose("default", ["drafter=dflash_aw_b4"]).drafter
+    assert listed.acceptance_weighting and listed.draft_vocab_size == 8192  # from conf/drafter/dflash_aw.yaml
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "drafter" / "dflash_aw_b4.yaml").write_text("defaults:\n  - dflash_aw\n  - _self_\nname: dflash_aw_b4\nblok_size: 4\n")
+    with pytest.raises(ConfigError, match=r"dflash_aw_b4\.yaml.*blok_size"):
+        compose("default", ["drafter=mtp"], conf_dir=conf)
+
+
 def test_the_timing_lock_reaches_only_the_timing_stages_and_is_no_param() -> None:
     """timing_lock.* changes no result: no stage's params hold it, and only evaluate and baselines (the stages that
     take the lock) get the override on their command line."""

@@ -122,12 +122,22 @@ def listed_drafters(cfg: Any, conf_dir: str | Path) -> dict[str, Any]:
         if name == cfg.drafter.name:
             out[name] = cfg.drafter
             continue
-        raw = OmegaConf.to_container(OmegaConf.load(folder / f"{name}.yaml"), resolve=False)
         try:
-            out[name] = OmegaConf.merge(OmegaConf.structured(DrafterConfig), raw or {})
-        except Exception as exc:  # noqa: BLE001 — an OmegaConf validation error: name the file
+            out[name] = OmegaConf.merge(OmegaConf.structured(DrafterConfig), group_option(folder, name))
+        except Exception as exc:  # noqa: BLE001 — a Hydra / OmegaConf error: name the file
             raise ConfigError(f"{folder / (name + '.yaml')}: {' '.join(str(exc).split())}") from None
     return out
+
+
+def group_option(folder: Path, name: str) -> dict[str, Any]:
+    """conf/drafter/<name>.yaml as Hydra composes the group option (its own `defaults` list, e.g. another drafter
+    it extends, merged first), untyped. Called where no other Hydra composition is in progress."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(folder.parent.resolve()), version_base="1.3"):
+        composed = compose(config_name=None, overrides=[f"+drafter={name}"])
+    return OmegaConf.to_container(composed.drafter, resolve=False)  # type: ignore[return-value]
 
 
 def needs_last_layer(cfg: Any, conf_dir: str | Path | None = None) -> bool:
