@@ -138,11 +138,12 @@ def dspark_of(d: DFlashDrafter, tm) -> DFlashDrafter:
     return ds.eval()
 
 
-def warm_up(tm, method, prompt: list[int], budget: int | None, block: int) -> None:
+def warm_up(tm, method, prompt: list[int], budget: int | None) -> None:
     """A short untimed decode, then every product route a decode may meet chosen, by the evaluate stage's rule
     (cpu_linear.decode_rows): no timed round pays for a route's timing."""
     generate(tm, method, prompt, 4)
-    cpu_linear.pretune(sorted(cpu_linear.decode_rows(block, [(budget + 1, method.verify_size)] if budget else [])))
+    cpu_linear.pretune(sorted(cpu_linear.decode_rows(method.drafter.cfg.block_size,
+                                                          [(budget + 1, method.verify_size)] if budget else [])))
 
 
 def measure_verify(tm, prompt: list[int], n: int, reps: int) -> float:
@@ -236,7 +237,7 @@ def main() -> None:
         rec["draft" + (f"_{tag}" if tag else "")] = {"ms": draft_ms, **dfl, "over_floor": draft_ms / dfl["floor_ms"],
                                                      "over_ar": draft_ms / ar_ms}  # fmt: skip
         for name, b in [("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",")]:
-            warm_up(tm, make_method(name, tm, drafter, b), prompt, b, drafter.cfg.block_size)
+            warm_up(tm, make_method(name, tm, drafter, b), prompt, b)
             res = generate(tm, make_method(name, tm, drafter, b), prompt, n_tok)
             rt = round_times(res, 1)
             n_verify = (b + 1) if b else d.cfg.block_size
@@ -252,7 +253,7 @@ def main() -> None:
         ds = dspark_of(drafter, tm)
         plan = (("dflash", None), ("dspark", None), ("ddtree", 64), ("ddtree_markov", 64))
         for name, b in plan:
-            warm_up(tm, make_method(name, tm, ds, b), prompt, b, ds.cfg.block_size)
+            warm_up(tm, make_method(name, tm, ds, b), prompt, b)
         turns: dict[str, list[dict[str, float]]] = {name: [] for name, _ in plan}
         for _ in range(args.dspark_reps):
             for name, b in plan:
@@ -347,7 +348,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
                 way = ("auto", other)[i % 2]
                 t = use(way)
                 if i < 2:
-                    warm_up(t, make_method(name, t, d, b), prompt, b, d.cfg.block_size)
+                    warm_up(t, make_method(name, t, d, b), prompt, b)
                 rounds[way].append(round_times(generate(t, make_method(name, t, d, b), prompt, n_tok), 1)["round_ms"])
             auto, alt = min(rounds["auto"]), min(rounds[other])
             out["rounds"].append({"method": name, "budget": b, "auto_ms": auto, f"{other}_ms": alt,

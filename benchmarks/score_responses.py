@@ -33,7 +33,7 @@ from draftforge import chat  # noqa: E402
 from draftforge.config import compose  # noqa: E402
 from draftforge.drafter.export import load_drafter  # noqa: E402
 from draftforge.evaluate.prompts import eval_and_calibration_sets  # noqa: E402
-from draftforge.evaluate.runner import _with_answers, answer_message, split_turns  # noqa: E402
+from draftforge.evaluate.runner import answer_message, split_turns, with_answers  # noqa: E402
 from draftforge.target.load import load_target_model, load_tokenizer  # noqa: E402
 from draftforge.train.config import TrainConfig  # noqa: E402
 from draftforge.train.head import FrozenTargetHead  # noqa: E402
@@ -55,7 +55,7 @@ def served_items(responses: list[dict], prompts: list, tok, mode, target: Online
         for turn, conv in enumerate(split_turns(prompts[index])):
             if turn not in answers:
                 break
-            prompt = chat.prompt_ids(tok, _with_answers(conv, earlier) if turn else conv, mode)
+            prompt = chat.prompt_ids(tok, with_answers(conv, earlier) if turn else conv, mode)
             ids = np.asarray(prompt + answers[turn], dtype=np.int64)
             mask = np.zeros(len(ids), dtype=np.uint8)
             mask[len(prompt):] = 1  # the answer's tokens are the labels, as curate masks a regenerated turn

@@ -172,7 +172,7 @@ def run_turns(es: EngineSet, method: MethodCfg, dataset: str, index: int, messag
     history_extra: list[dict[str, str]] = []  # this method's own answers to earlier turns
     for turn, conv in enumerate(turns):
         if turn:
-            conv = _with_answers(conv, history_extra)
+            conv = with_answers(conv, history_extra)
         ids = chat.prompt_ids(es.tokenizer, conv, es.chat_mode)
         res = run_one(es, method, ids, temperature, seed=seed + index * 1000 + turn)
         out.append(record(res, dataset=dataset, prompt_index=index, turn=turn, temperature=temperature,
@@ -193,7 +193,7 @@ def answer_message(tokenizer: Any, tokens: Sequence[int]) -> dict[str, str]:
     return {"role": "assistant", "content": tokenizer.decode(list(tokens), skip_special_tokens=True)}
 
 
-def _with_answers(conv: Messages, answers: list[dict[str, str]]) -> Messages:
+def with_answers(conv: Messages, answers: list[dict[str, str]]) -> Messages:
     """Insert the method's own assistant answers after each earlier user turn of a consecutive run."""
     merged: Messages = []
     k = 0
