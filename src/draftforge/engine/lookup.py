@@ -7,9 +7,10 @@ its most recent earlier occurrence in the same context and proposes the tokens t
 adds that path to DDTree's tree of `budget` nodes: the budget buys the drafter's nodes, the lookup's come on top.
 
 The lookup offers its path as deep as it pays: depth i while q^i >= `MIN_PATH_ACCEPT`, at most `LOOKUP_DEPTH`,
-where q is a lookup token's acceptance so far in this generation, (accepted + 1) ÷ (offered + 2), a depth counted
-as offered only once the depth before it was accepted. So a round verifies 1 + budget nodes without a match and at
-most 1 + budget + LOOKUP_DEPTH with one. The tree is verified and walked like any other, so decoding stays lossless
+where q is a lookup token's acceptance so far in this generation, (accepted + 1) ÷ (tried + 2). A proposed depth
+counts as tried once the depth before it was accepted and the target's token there is known (offered or not), so q
+keeps learning while little is offered. A round verifies 1 + budget nodes without a match, at most 1 + budget +
+LOOKUP_DEPTH with one. The tree is verified and walked like any other, so decoding stays lossless
 at every temperature.
 """
 
