@@ -23,7 +23,8 @@ def test_builtin_types_state_the_branch_rules():
     assert rules == {
         "dflash": (("dflash", "ddtree", "ddtree_lookup"), ("ddtree", "ddtree_lookup"), "dflash", ("dflash", "ngram", "eagle3"),
                    {"ce": 1.0}, "drafter"),
-        "dspark": (("dspark", "ddtree", "ddtree_markov"), ("ddtree", "ddtree_markov"), "dspark", ("dspark",),
+        "dspark": (("dspark", "ddtree", "ddtree_lookup", "ddtree_markov"), ("ddtree", "ddtree_lookup", "ddtree_markov"),
+                   "dspark", ("dspark",),
                    {"tv": 1.8, "ce": 0.1}, "drafter"),
         "mtp": (("mtp",), (), "mtp", ("mtp",), {"ce": 1.0}, "mtp"),
     }

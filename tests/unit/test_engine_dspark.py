@@ -45,6 +45,8 @@ def test_lossless_greedy_seeds_and_budgets(seed):
         assert res.tokens == ar, f"budget {budget}"
         assert sum(res.accept_lengths) >= len(ar) - 1
     assert generate(tm, make_method("ddtree", tm, drafter, 16), p, 30).tokens == ar  # marginal tree, same drafter
+    for budget in (1, 4):  # its tree plus the prompt-lookup path (vocab 8: the lookup matches often)
+        assert generate(tm, make_method("ddtree_lookup", tm, drafter, budget), p, 30).tokens == ar, f"lookup {budget}"
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -61,6 +63,7 @@ def test_lossless_with_a_draft_vocabulary(seed):
     for budget in (1, 4, 16, 64):
         assert generate(tm, make_method("ddtree_markov", tm, drafter, budget), p, 30).tokens == ar, budget
     assert generate(tm, make_method("ddtree", tm, drafter, 16), p, 30).tokens == ar
+    assert generate(tm, make_method("ddtree_lookup", tm, drafter, 4), p, 30).tokens == ar
     m = make_method("dspark", tm, drafter)
     m.begin(_features(tm, p))
     assert set(m.draft(tm.vocab_size - 1, len(p)).tolist()) <= set(ids.tolist())

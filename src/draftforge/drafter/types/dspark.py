@@ -1,6 +1,7 @@
 """The `dspark` drafter type: the DFlash backbone plus Markov and confidence heads (drafter/dspark.py,
 docs/architecture.md "DSpark drafters"), trained on 0.9 × L1 + 0.1 × CE to the target's next-token
-distribution. Engine: the `dspark` chain, `ddtree` on its marginals and `ddtree_markov`; vLLM: `dspark`."""
+distribution. Engine: the `dspark` chain, `ddtree` and `ddtree_lookup` on its marginals and `ddtree_markov`; vLLM:
+`dspark`."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def reads_last_layer(drafter: Any, target: Any) -> bool:
 @register_drafter_type
 def dspark() -> DrafterType:
     return DrafterType(
-        name=NAME, title="DSpark", chain_method="dspark", tree_methods=("ddtree", "ddtree_markov"), draft_vocab=True,
+        name=NAME, title="DSpark", chain_method="dspark", tree_methods=("ddtree", "ddtree_lookup", "ddtree_markov"),
+        draft_vocab=True,
         vllm_methods=("dspark",), vllm_planners={"dspark": f"{__name__}:plan_vllm"},
         default_loss_weights={"tv": 1.8, "ce": 0.1}, reads_last_layer=reads_last_layer, artifact=BLOCK_DRAFTER,
         exports={ARCHITECTURE: "draftforge.drafter.dspark:DSparkConfig"},
