@@ -313,7 +313,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     keep = os.environ.get("DRAFTFORGE_CPU_LINEAR")
     other = args.compare_routes or "baseline"
     ways = {"auto": ("auto", tm), other: ("auto" if other == "baseline" else other, unfused if other == "fixed" else tm)}
-    kernels = {"auto": cpu_kernel._module[0] if cpu_kernel.available() else None}
+    kernels = {"auto": cpu_kernel._modules["skinny_linear"] if cpu_kernel.available() else None}
     kernels[other] = kernels["auto"]
     if args.compare_kernel:
         if kernels["auto"] is None:
@@ -323,7 +323,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
     def use(way: str) -> Any:
         os.environ["DRAFTFORGE_CPU_LINEAR"] = ways[way][0]
         if kernels[way] is not None:
-            cpu_kernel._module[0] = kernels[way]
+            cpu_kernel._modules["skinny_linear"] = kernels[way]
         return ways[way][1]
 
     out: dict = {"probes": [], "rounds": []}
@@ -355,7 +355,7 @@ def routes_ab(tm, d, prompt: list[int], args, ar_ms: float) -> dict:
                                   f"{other}_over_auto": alt / auto, "auto_over_ar": auto / ar_ms})  # fmt: skip
     finally:
         if kernels["auto"] is not None:
-            cpu_kernel._module[0] = kernels["auto"]
+            cpu_kernel._modules["skinny_linear"] = kernels["auto"]
         if keep is None:
             os.environ.pop("DRAFTFORGE_CPU_LINEAR", None)
         else:

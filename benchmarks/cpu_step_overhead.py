@@ -9,6 +9,7 @@ traffic makes the real form noisy on a shared host, the stubbed form much less.
 
     PYTHONPATH=src python benchmarks/cpu_step_overhead.py                # ~1 min on 2 cores
     PYTHONPATH=src python benchmarks/cpu_step_overhead.py --tiny         # seconds (a smoke run)
+    PYTHONPATH=src python benchmarks/cpu_step_overhead.py --compare-attention  # + the same probes on SDPA alone
 Writes $OUT/cpu_step_overhead.json when $OUT is set. To compare two commits, run it from each checkout in turn
 (the same machine, nothing else running) and compare the stubbed column.
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _out import write_record  # noqa: E402
 from cpu_roofline import _git_sha, build, draft_probe, timed, verify_probe, with_draft_vocab  # noqa: E402
 
-from draftforge.engine import cpu_linear  # noqa: E402
+from draftforge.engine import blocks, cpu_linear  # noqa: E402
 
 
 class StubbedProducts:
@@ -53,25 +54,36 @@ class StubbedProducts:
         cpu_linear.run_route = self.real
 
 
-def measure(probe: Callable[[], None], turns: int, reps: int) -> dict[str, float]:
-    """min ms of `probe` over `turns` turns of `reps` calls each, real and stubbed alternating."""
-    real, stubbed = [], []
-    for _ in range(turns):
-        real.append(timed(probe, reps, 1))
-        with StubbedProducts():
-            stubbed.append(timed(probe, reps, 1))
-    r, s = 1e3 * min(real), 1e3 * min(stubbed)
-    return {"ms": r, "stubbed_ms": s, "products_ms": r - s, "other_share": s / r}
+def measure(probe: Callable[[], None], turns: int, reps: int, compare_attention: bool = False) -> dict[str, float]:
+    """min ms of `probe` over `turns` turns of `reps` calls each, real and stubbed alternating (with
+    `compare_attention`, each also with every attention on SDPA: `blocks.KERNEL_ATTENTION_ROWS` = 0)."""
+    ways = {"": blocks.KERNEL_ATTENTION_ROWS} | ({"sdpa_": 0} if compare_attention else {})
+    times: dict[str, list[float]] = {}
+    try:
+        for _ in range(turns):
+            for tag, rows in ways.items():
+                blocks.KERNEL_ATTENTION_ROWS = rows
+                times.setdefault(tag + "ms", []).append(timed(probe, reps, 1))
+                with StubbedProducts():
+                    times.setdefault(tag + "stubbed_ms", []).append(timed(probe, reps, 1))
+    finally:
+        blocks.KERNEL_ATTENTION_ROWS = ways[""]
+    out = {k: 1e3 * min(v) for k, v in times.items()}
+    out["products_ms"] = out["ms"] - out["stubbed_ms"]
+    out["other_share"] = out["stubbed_ms"] / out["ms"]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--sizes", default="1,4,13", help="verify sizes (1 = the AR step)")
+    ap.add_argument("--sizes", default="1,2,4,13", help="verify sizes (1 = the AR step)")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="the drafter's draft vocabulary (0: the whole one)")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="also time each probe with every attention on SDPA (no decode-attention kernel), alternating")
     args = ap.parse_args()
     if args.tiny:
         args.prompt_len, args.turns, args.reps = 40, 2, 2
@@ -84,16 +96,21 @@ def main() -> None:
     cpu_linear.pretune(sorted(set(sizes) | set(range(1, d.cfg.block_size + 3))))
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        rows.append({"probe": "AR step" if n == 1 else f"verify {n}", **measure(verify_probe(tm, prompt, n), args.turns, args.reps)})
-    rows.append({"probe": "drafter pass", **measure(draft_probe(tm, d, args.prompt_len), args.turns, args.reps)})
+        rows.append({"probe": "AR step" if n == 1 else f"verify {n}",
+                     **measure(verify_probe(tm, prompt, n), args.turns, args.reps, args.compare_attention)})
+    rows.append({"probe": "drafter pass",
+                 **measure(draft_probe(tm, d, args.prompt_len), args.turns, args.reps, args.compare_attention)})
     rec = {"machine": {"cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "commit": _git_sha()},
            "prompt_len": args.prompt_len, "turns": args.turns, "reps": args.reps, "rows": rows}  # fmt: skip
     write_record("cpu_step_overhead", rec)
     print(f"commit {rec['machine']['commit']}  threads {rec['machine']['threads']}  (min ms over {args.turns} turns)")
-    print(f"{'probe':>13} {'ms':>8} {'stubbed':>8} {'products':>9} {'other share':>12}")
+    sdpa = args.compare_attention
+    print(f"{'probe':>13} {'ms':>8} {'stubbed':>8} {'products':>9} {'other share':>12}"
+          + (f" {'SDPA: ms':>9} {'stubbed':>8}" if sdpa else ""))
     for r in rows:
-        print(f"{r['probe']:>13} {r['ms']:8.2f} {r['stubbed_ms']:8.2f} {r['products_ms']:9.2f} {r['other_share']:12.2f}")
+        print(f"{r['probe']:>13} {r['ms']:8.2f} {r['stubbed_ms']:8.2f} {r['products_ms']:9.2f} {r['other_share']:12.2f}"
+              + (f" {r['sdpa_ms']:9.2f} {r['sdpa_stubbed_ms']:8.2f}" if sdpa else ""))
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install t
     echo "[setup] ${missing[*]} not found and cannot apt-get install them: what needs them is skipped or takes a slower path"
   fi
 }
-# A C++ compiler builds the engine's AVX2 product kernel on first use (engine/cpu_kernel.py); without one the
-# library routes serve every product.
+# A C++ compiler builds the engine's AVX2 kernels (products, decode attention) on first use (engine/cpu_kernel.py);
+# without one the library routes and SDPA serve instead.
 apt_missing -- c++:g++
 if [[ $WITH_TEST == 1 ]]; then
   apt_missing -- chromium:chromium  # browser test of mlflow ui

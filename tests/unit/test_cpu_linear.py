@@ -127,11 +127,11 @@ def test_a_registered_buffer_weight_routes_with_leading_dims(rows):
 
 
 def test_without_the_kernel_auto_keeps_the_library_routes_and_a_pinned_kernel_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernel, "_module", [])
-    monkeypatch.setattr(cpu_kernel, "_reason", [])
+    monkeypatch.setattr(cpu_kernel, "_modules", {})
+    monkeypatch.setattr(cpu_kernel, "_reasons", {})
     monkeypatch.setenv("DRAFTFORGE_CPU_KERNEL", "0")
     assert not cpu_kernel.available() and "DRAFTFORGE_CPU_KERNEL=0" in cpu_kernel.unavailable_reason()
-    assert [r.getMessage() for r in caplog.records if "kernel is unavailable" in r.getMessage()]  # said, not silent
+    assert [r.getMessage() for r in caplog.records if "skinny_linear is unavailable" in r.getMessage()]  # said, not silent
     assert cpu_linear.candidates("auto", (4096, 64)) == cpu_linear.LIBRARY_ROUTES
     lin = _lin(PACK_MIN // 56 + 5, 56, False)
     route_linears(lin)

@@ -109,6 +109,8 @@ def block_pass(d: nn.Module, blocks: Any, fused: Sequence[Any] | None, block_emb
     fused: per layer fused weights (`engine.fused.fuse_drafter`) or None; block_embeds (1, B, H) in the
     drafter's dtype; ctx_feats (1, c, n_taps·H) raw tapped features of positions ctx_pos (c,); kv the
     context cache tensor (layers, 2, Hkv, cap, hd)."""
+    from draftforge.engine.blocks import attend_folded  # at call time: the engine package imports this module
+
     cfg = d.cfg
     dt = block_embeds.dtype
     a0 = d.layers[0].self_attn
@@ -126,8 +128,8 @@ def block_pass(d: nn.Module, blocks: Any, fused: Sequence[Any] | None, block_emb
         kv[i, 1].index_copy_(1, block_pos, v[0, :, c:])
         hq, hkv = q.shape[1], kv.shape[2]
         qf = q.reshape(1, hkv, (hq // hkv) * q.shape[2], q.shape[3])
-        o = F.scaled_dot_product_attention(qf, kv[i, 0, :, :kv_len][None], kv[i, 1, :, :kv_len][None],
-                                           attn_mask=masks[cfg.layer_types[i]]).reshape(q.shape)
+        o = attend_folded(qf, kv[i, 0, :, :kv_len][None], kv[i, 1, :, :kv_len][None], masks[cfg.layer_types[i]],
+                          None).reshape(q.shape)
         h = blocks.draft_out(layer, fl.wgu if fl else None, h, o)
     return d.norm(h)
 

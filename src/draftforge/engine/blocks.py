@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine import cpu_linear
+from draftforge.engine import cpu_kernel, cpu_linear
 from draftforge.engine.split_attention import combine_splits
 
 
@@ -114,6 +114,34 @@ def split_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, acc
     return post_attention(layer, wgu, h, combine_splits(acc, mx, sm, n, h.dtype), gate)
 
 
+# Folded query rows (a KV group's query heads × the span's nodes) up to which the CPU attention kernel serves an
+# fp32 attention: 1.5–2.2× faster than SDPA through 6 rows, about equal from 12 on the 2-core AVX2 machine
+# (docs/benchmarks.md "A decode-attention kernel"); SDPA serves more.
+KERNEL_ATTENTION_ROWS = 8
+
+
+def _kernel_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether `attend_folded` takes the CPU kernel: fp32 on the CPU without autograd or compile, one sequence, few
+    rows, vector-wide heads with unit stride, an additive fp32 mask or none, and the kernel built."""
+    return (qf.device.type == "cpu" and qf.dtype == k.dtype == v.dtype == torch.float32 and qf.shape[0] == 1
+            and qf.shape[2] <= KERNEL_ATTENTION_ROWS and qf.shape[3] % 8 == 0 and k.stride(3) == 1 and v.stride(3) == 1
+            and (mask is None or (mask.dtype == torch.float32 and mask.shape[:2] == (1, 1)))
+            and not (torch.is_grad_enabled() and (qf.requires_grad or k.requires_grad or v.requires_grad))
+            and not torch.compiler.is_compiling() and cpu_kernel.available("decode_attention"))  # fmt: skip
+
+
+def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float | None) -> torch.Tensor:
+    """Folded query rows qf (1, Hkv, R, hd) over k, v (1, Hkv, L, hd) → (1, Hkv, R, hd); mask additive (1, 1, R, L)
+    or None (every key visible); scale None: hd^−½. The engine's CPU kernel where `_kernel_attention`, else SDPA:
+    the same function, rounded differently (docs/architecture.md "CPU attention")."""
+    if _kernel_attention(qf, k, v, mask):
+        m = None if mask is None else mask[0, 0].contiguous()
+        s = qf.shape[3] ** -0.5 if scale is None else scale
+        return cpu_kernel.decode_attention(qf[0].contiguous(), k[0], v[0], m, k.shape[2], s)[None]
+    return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float | None) -> torch.Tensor:
     """Attention of q (1, Hq, n, hd) over k, v (1, Hkv, L, hd) → (1, Hq, n, hd), GQA without expanding K/V.
@@ -124,9 +152,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     hkv = k.shape[1]
     if mask is None and causal and n > 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
-    qf = q.reshape(1, hkv, (hq // hkv) * n, hd)
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-    return o.reshape(1, hq, n, hd)
+    return attend_folded(q.reshape(1, hkv, (hq // hkv) * n, hd), k, v, mask, scale).reshape(1, hq, n, hd)
 
 
 def fold_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:

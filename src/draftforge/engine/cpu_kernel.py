@@ -1,13 +1,16 @@
-"""The engine's own CPU product kernel: `csrc/skinny_linear.cpp` (AVX2 + FMA), built once per machine.
+"""The engine's own CPU kernels (`csrc/`, AVX2 + FMA), each built once per machine:
 
-MKL and oneDNN serve a product of 1–17 rows through a 576-wide weight at half the machine's read bandwidth or
-less (docs/benchmarks.md "The engine's AVX2 kernel"); this kernel streams each weight once per call and reaches
-1.4–2× their speed there. It is one more route of `cpu_linear`, chosen only where the tuner measures it fastest.
+- `skinny_linear.cpp`: y = x·Wᵀ for few rows. MKL and oneDNN serve a product of 1–17 rows through a 576-wide weight
+  at half the machine's read bandwidth or less (docs/benchmarks.md "The engine's AVX2 kernel"); this kernel streams
+  each weight once per call and reaches 1.4–2× their speed there. One more route of `cpu_linear`, chosen only where
+  the tuner measures it fastest.
+- `decode_attention.cpp`: a decode step's attention for a few query rows over the KV cache (`blocks.attend`,
+  docs/architecture.md "CPU attention").
 
-Built with torch's C++ extension loader on first use (about 40 s on 2 cores, then cached under
-TORCH_EXTENSIONS_DIR and reused by every later process). No AVX2, no compiler or a failed build leave the route
-unavailable: `available()` says so once in the log with the reason, and the other routes serve every product.
-`DRAFTFORGE_CPU_KERNEL=0` turns the route off.
+Built with torch's C++ extension loader on first use (about 40 s each on 2 cores, then cached under
+TORCH_EXTENSIONS_DIR and reused by every later process). No AVX2, no compiler or a failed build leave a kernel
+unavailable: `available()` says so once in the log with the reason, and the library serves what it would have.
+`DRAFTFORGE_CPU_KERNEL=0` turns both off.
 """
 
 from __future__ import annotations
@@ -21,53 +24,64 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
-_module: list[Any] = []  # [built extension] or [None] once unavailable
-_reason: list[str] = []
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "skinny_linear.cpp"
+KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear"),
+           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention")}
+_modules: dict[str, Any] = {}  # kernel → built extension, or None once unavailable
+_reasons: dict[str, str] = {}
+LIBRARY = {"skinny_linear": "the library routes serve every product", "decode_attention": "SDPA serves every attention"}
 
 
-def _load() -> Any:
+def _load(kernel: str) -> Any:
     if os.environ.get("DRAFTFORGE_CPU_KERNEL", "1") == "0":
         raise RuntimeError("DRAFTFORGE_CPU_KERNEL=0")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2")
     if not shutil.which(os.environ.get("CXX", "c++")):
         raise RuntimeError("no C++ compiler (c++) on PATH")
-    return build(SOURCE, "draftforge_skinny_linear")
+    return build(*KERNELS[kernel])
 
 
 def build(source: Path, name: str) -> Any:
-    """The extension built from `source` under `name` (cached per machine and source). The engine's is `SOURCE`; a
-    benchmark builds a former version under another name to time both in one process."""
+    """The extension built from `source` under `name` (cached per machine and source). The engine's are `KERNELS`;
+    a benchmark builds a former version under another name to time both in one process."""
     from torch.utils.cpp_extension import load
 
     return load(name=name, sources=[str(source)], verbose=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])  # fmt: skip
 
 
-def available() -> bool:
-    """Whether the kernel is built (building it on the first call) → False, with the reason logged once, if not."""
-    if not _module:
+def available(kernel: str = "skinny_linear") -> bool:
+    """Whether `kernel` is built (building it on the first call) → False, with the reason logged once, if not."""
+    if kernel not in _modules:
         try:
-            _module.append(_load())
-        except Exception as e:  # noqa: BLE001 — any build failure leaves the other routes, said once
-            _module.append(None)
-            _reason.append(f"{type(e).__name__}: {e}".splitlines()[0])
-            log.warning("engine/cpu_kernel.py: the AVX2 product kernel is unavailable (%s); the library routes serve "
-                        "every product", _reason[0])  # fmt: skip
-    return _module[0] is not None
+            _modules[kernel] = _load(kernel)
+        except Exception as e:  # noqa: BLE001 — any build failure leaves the library path, said once
+            _modules[kernel] = None
+            _reasons[kernel] = f"{type(e).__name__}: {e}".splitlines()[0]
+            log.warning("engine/cpu_kernel.py: the AVX2 kernel %s is unavailable (%s); %s", kernel, _reasons[kernel],
+                        LIBRARY[kernel])  # fmt: skip
+    return _modules[kernel] is not None
 
 
-def unavailable_reason() -> str | None:
-    return _reason[0] if _reason else None
+def unavailable_reason(kernel: str = "skinny_linear") -> str | None:
+    return _reasons.get(kernel)
 
 
 def eligible(shape: tuple[int, int]) -> bool:
-    """Whether the kernel can take products through a weight of `shape` (N, K): K a multiple of 8 (its vector
-    width). Weights are contiguous (nn.Linear weights and the fused projections are)."""
+    """Whether the product kernel can take products through a weight of `shape` (N, K): K a multiple of 8 (its
+    vector width). Weights are contiguous (nn.Linear weights and the fused projections are)."""
     return shape[1] % 8 == 0
 
 
 def skinny_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x2 (M, K) · w (N, K)ᵀ (+ bias) → (M, N) row-major, fp32; call only where `available()` and `eligible`."""
-    return _module[0].skinny_linear(x2.contiguous(), w.contiguous(), None if bias is None else bias.contiguous())
+    return _modules["skinny_linear"].skinny_linear(x2.contiguous(), w.contiguous(), None if bias is None else bias.contiguous())
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, length: int,
+                     scale: float) -> torch.Tensor:
+    """q (G, R, D) contiguous, k, v (G, ≥ length, D) unit stride along D, mask (R, length) contiguous or None →
+    (G, R, D) = softmax(q kᵀ · scale + mask) v over the first `length` rows; only where `available("decode_attention")`."""
+    return _modules["decode_attention"].decode_attention(q, k, v, mask, length, scale)
