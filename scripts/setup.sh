@@ -58,6 +58,10 @@ apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install t
 # A C++ compiler builds the engine's AVX2 kernels (products, decode attention) on first use (engine/cpu_kernel.py);
 # without one the library routes and SDPA serve instead.
 apt_missing -- c++:g++
+# Build them now (~1 min each, once per machine: torch's extension cache), so no stage or test pays it; a failed
+# build is reported here and again on use, and the library paths serve instead.
+"$VENV/bin/python" -c "from draftforge.engine import cpu_kernel as k; print('[setup] AVX2 kernels:', '; '.join(n + (' built' if k.available(n) else f' unavailable ({k.unavailable_reason(n)})') for n in k.KERNELS))" \
+  || echo "[setup] the CPU kernel check failed: stages build or skip the kernels on first use"
 if [[ $WITH_TEST == 1 ]]; then
   apt_missing -- chromium:chromium  # browser test of mlflow ui
   # A one-node SLURM cluster with munge for the slurm profile's test (scripts/slurm_local.sh, docs/cluster.md);
