@@ -26,11 +26,11 @@ import torch
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "skinny_linear.cpp"
-KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear"),
-           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention")}
+# kernel → (source, extension name, what serves its calls when it is unavailable)
+KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear", "the library routes serve every product"),
+           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention", "SDPA serves every attention")}
 _modules: dict[str, Any] = {}  # kernel → built extension, or None once unavailable
 _reasons: dict[str, str] = {}
-LIBRARY = {"skinny_linear": "the library routes serve every product", "decode_attention": "SDPA serves every attention"}
 
 
 def _load(kernel: str) -> Any:
@@ -40,7 +40,7 @@ def _load(kernel: str) -> Any:
         raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2")
     if not shutil.which(os.environ.get("CXX", "c++")):
         raise RuntimeError("no C++ compiler (c++) on PATH")
-    return build(*KERNELS[kernel])
+    return build(*KERNELS[kernel][:2])
 
 
 def build(source: Path, name: str) -> Any:
@@ -61,7 +61,7 @@ def available(kernel: str = "skinny_linear") -> bool:
             _modules[kernel] = None
             _reasons[kernel] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("engine/cpu_kernel.py: the AVX2 kernel %s is unavailable (%s); %s", kernel, _reasons[kernel],
-                        LIBRARY[kernel])  # fmt: skip
+                        KERNELS[kernel][2])  # fmt: skip
     return _modules[kernel] is not None
 
 
