@@ -56,7 +56,7 @@ def draft_qkv_block(layer: nn.Module, wqkv: torch.Tensor | None, h: torch.Tensor
     [context positions; block positions] → q (1, Hq, B, hd) of the block, k, v (1, Hkv, c + B, hd)."""
     a = layer.self_attn
     B, c = h.shape[1], ctx.shape[1]
-    x = layer.input_layernorm(h)
+    x = layer_ops.rms_norm(layer.input_layernorm, h)
     rows = torch.cat([ctx, x], dim=1)  # (1, c + B, H): same k/v weights for context and block
     if wqkv is None:
         q, k, v = a.q_proj(x), a.k_proj(rows), a.v_proj(rows)
@@ -73,12 +73,11 @@ def draft_out_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor,
     """Attention output o (1, Hq, B, hd) → o_proj, residual, SwiGLU (fused gate/up or not), residual."""
     a, m = layer.self_attn, layer.mlp
     B = h.shape[1]
-    h = h + a.o_proj(o.transpose(1, 2).reshape(1, B, a.n_heads * a.head_dim))
-    x = layer.post_attention_layernorm(h)
+    h, x = layer_ops.add_rms_norm(layer.post_attention_layernorm, h,
+                                  a.o_proj(o.transpose(1, 2).reshape(1, B, a.n_heads * a.head_dim)))
     if wgu is None:
         return h + m(x)
-    g, u = F.linear(x, wgu).chunk(2, dim=-1)
-    return h + m.down_proj(F.silu(g) * u)
+    return h + m.down_proj(layer_ops.act_mul(None, F.linear(x, wgu)))
 
 
 @dataclass(frozen=True)
@@ -109,8 +108,6 @@ def block_pass(d: nn.Module, blocks: Any, fused: Sequence[Any] | None, block_emb
     fused: per layer fused weights (`engine.fused.fuse_drafter`) or None; block_embeds (1, B, H) in the
     drafter's dtype; ctx_feats (1, c, n_taps·H) raw tapped features of positions ctx_pos (c,); kv the
     context cache tensor (layers, 2, Hkv, cap, hd)."""
-    from draftforge.engine.blocks import attend_folded  # at call time: the engine package imports this module
-
     cfg = d.cfg
     dt = block_embeds.dtype
     a0 = d.layers[0].self_attn
@@ -131,7 +128,11 @@ def block_pass(d: nn.Module, blocks: Any, fused: Sequence[Any] | None, block_emb
         o = attend_folded(qf, kv[i, 0, :, :kv_len][None], kv[i, 1, :, :kv_len][None], masks[cfg.layer_types[i]],
                           None).reshape(q.shape)
         h = blocks.draft_out(layer, fl.wgu if fl else None, h, o)
-    return d.norm(h)
+    return layer_ops.rms_norm(d.norm, h)
 
 
 PLAIN_DRAFT_BLOCKS = DraftBlocks(draft_qkv=draft_qkv_block, draft_out=draft_out_block)
+
+# Last: the engine package imports this module, so these resolve once the names above exist (whichever is imported first).
+from draftforge.engine import layer_ops  # noqa: E402
+from draftforge.engine.blocks import attend_folded  # noqa: E402

@@ -1,8 +1,8 @@
 """The target decoder layer's math, written once as three blocks that every engine mode calls.
 
     qkv_block        input norm → q/k/v projections (fused or not) → q/k norms → rotary
-    post_attention   output gate → o_proj → residual → mlp_block
-    mlp_block        post-attention norm → gate/up (fused or not) → act · up → down → residual
+    post_attention   output gate → o_proj → mlp_block (residual added there)
+    mlp_block        residual → post-attention norm → gate/up (fused or not) → act · up → down → residual
     split_block      post_attention after split-KV attention (split_attention.py): merge the partials first
 
 The eager engine calls them as plain functions; the captured engine calls the same functions, or
@@ -11,7 +11,8 @@ compiled graph serves every layer of one structure. Attention itself and the cac
 the blocks (`target.run_layers`), so a compiled region never functionalises a write to the whole cache.
 A layer's fused weights (`FusedLayer.wqkv` / `wgu`) are views the HF Linear weights also point at
 (`fused.fuse_projections`); None means the HF projections run one by one — the same function either way.
-Fused products go through `cpu_linear.linear` (F.linear itself off the CPU and under torch.compile).
+Fused products go through `cpu_linear.linear` (F.linear itself off the CPU and under torch.compile); norms, SwiGLU and
+the fused path's q/k norms and rotary through `layer_ops` (the modules' own ops there too).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftforge.engine import cpu_kernel, cpu_linear
+from draftforge.engine import cpu_kernel, cpu_linear, layer_ops
 from draftforge.engine.split_attention import combine_splits
 
 
@@ -74,23 +75,29 @@ def qkv_block(attn: nn.Module, norm: nn.Module, wqkv: torch.Tensor | None, bqkv:
               n_kv: int, hd: int, qk_norm: bool, gated: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """h (1, n, H) → q (1, Hq, n, hd), k, v (1, Hkv, n, hd) with rotary, output gate (1, n, Hq·hd) or None."""
-    x = norm(h)
+    x = layer_ops.rms_norm(norm, h)
     if wqkv is None:
         qg, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     else:
-        qg, k, v = cpu_linear.linear(x, wqkv, bqkv).split([q_out, kv_out, kv_out], dim=-1)
+        qkv = cpu_linear.linear(x, wqkv, bqkv)  # (1, n, q_out + 2·kv_out)
+        heads = None if gated else layer_ops.rope_heads(attn, qkv, cos, sin, n_heads, n_kv, hd, qk_norm)
+        if heads is not None:
+            return (*heads, None)
+        qg, k, v = qkv.split([q_out, kv_out, kv_out], dim=-1)
     return split_heads(attn, qg, k, v, cos, sin, n_heads, n_kv, hd, qk_norm, gated)
 
 
-def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
-    """h (1, n, H) → h + MLP(post-attention norm(h)); fused gate/up when the MLP is dense and fused."""
-    x = layer.post_attention_layernorm(h)
+def mlp_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, r: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """h (1, n, H), plus the residual r (1, n, H) when given: s = h + r → s + MLP(post-attention norm(s)); fused
+    gate/up when the MLP is dense and fused."""
+    norm = layer.post_attention_layernorm
+    s, x = layer_ops.add_rms_norm(norm, h, r) if r is not None else (h, layer_ops.rms_norm(norm, h))
     m = layer.mlp
     if wgu is None:
         out = m(x)
-        return h + (out[0] if isinstance(out, tuple) else out)  # some MoE blocks also return router logits
-    g, u = cpu_linear.linear(x, wgu).chunk(2, dim=-1)
-    return h + m.down_proj(m.act_fn(g) * u)
+        return s + (out[0] if isinstance(out, tuple) else out)  # some MoE blocks also return router logits
+    return s + m.down_proj(layer_ops.act_mul(m.act_fn, cpu_linear.linear(x, wgu)))
 
 
 def attention_out(attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -105,7 +112,7 @@ def attention_out(attn: nn.Module, o: torch.Tensor, gate: torch.Tensor | None) -
 def post_attention(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, o: torch.Tensor,
                    gate: torch.Tensor | None) -> torch.Tensor:
     """Attention output o (1, Hq, n, hd) → o_proj, residual, MLP block."""
-    return mlp_block(layer, wgu, h + attention_out(layer.self_attn, o, gate))
+    return mlp_block(layer, wgu, h, attention_out(layer.self_attn, o, gate))
 
 
 def split_block(layer: nn.Module, wgu: torch.Tensor | None, h: torch.Tensor, acc: torch.Tensor, mx: torch.Tensor,

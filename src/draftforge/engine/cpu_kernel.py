@@ -6,11 +6,13 @@
   the tuner measures it fastest.
 - `decode_attention.cpp`: a decode step's attention for a few query rows over the KV cache (`blocks.attend`,
   docs/architecture.md "CPU attention").
+- `layer_ops.cpp`: a decoder layer's element-wise work (RMSNorm, residual + RMSNorm, SwiGLU, q/k norms and rotary)
+  in one call each (`layer_ops.py`, docs/architecture.md "CPU layer ops"); built with -ffp-contract=off.
 
 Built with torch's C++ extension loader on first use (about 40 s each on 2 cores, then cached under
 TORCH_EXTENSIONS_DIR and reused by every later process). No AVX2, no compiler or a failed build leave a kernel
 unavailable: `available()` says so once in the log with the reason, and the library serves what it would have.
-`DRAFTFORGE_CPU_KERNEL=0` turns both off.
+`DRAFTFORGE_CPU_KERNEL=0` turns them all off.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import torch
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "skinny_linear.cpp"
-# kernel → (source, extension name, what serves its calls when it is unavailable)
-KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear", "the library routes serve every product"),
-           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention", "SDPA serves every attention")}
+# kernel → (source, extension name, what serves its calls when it is unavailable, its own compiler flags)
+KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear", "the library routes serve every product", ()),
+           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention", "SDPA serves every attention",
+                                ()),
+           "layer_ops": (CSRC / "layer_ops.cpp", "draftforge_layer_ops", "torch's ops serve the layers' element-wise work",
+                         ("-ffp-contract=off",))}
 _modules: dict[str, Any] = {}  # kernel → built extension, or None once unavailable
 _reasons: dict[str, str] = {}
 
@@ -40,16 +45,17 @@ def _load(kernel: str) -> Any:
         raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2")
     if not shutil.which(os.environ.get("CXX", "c++")):
         raise RuntimeError("no C++ compiler (c++) on PATH")
-    return build(*KERNELS[kernel][:2])
+    source, name, _, flags = KERNELS[kernel]
+    return build(source, name, flags)
 
 
-def build(source: Path, name: str) -> Any:
-    """The extension built from `source` under `name` (cached per machine and source). The engine's are `KERNELS`;
-    a benchmark builds a former version under another name to time both in one process."""
+def build(source: Path, name: str, flags: tuple[str, ...] = ()) -> Any:
+    """The extension built from `source` under `name` with `flags` added (cached per machine, source and flags). The
+    engine's are `KERNELS`; a benchmark builds a former version under another name to time both in one process."""
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(source)], verbose=False, extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])  # fmt: skip
+    return load(name=name, sources=[str(source)], verbose=False,
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *flags], extra_ldflags=["-fopenmp"])
 
 
 def available(kernel: str = "skinny_linear") -> bool:
@@ -85,3 +91,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """q (G, R, D) contiguous, k, v (G, ≥ length, D) unit stride along D, mask (R, length) contiguous or None →
     (G, R, D) = softmax(q kᵀ · scale + mask) v over the first `length` rows; only where `available("decode_attention")`."""
     return _modules["decode_attention"].decode_attention(q, k, v, mask, length, scale)
+
+
+def layer_ops() -> Any:
+    """The built layer-ops extension (`csrc/layer_ops.cpp`); only where `available("layer_ops")`."""
+    return _modules["layer_ops"]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from draftforge.drafter.rope import rotary_tables
-from draftforge.engine import gdn, split_attention
+from draftforge.engine import gdn, layer_ops, split_attention
 from draftforge.engine.blocks import FusedLayer, attend, fold_mask
 from draftforge.engine.span import Span
 from draftforge.engine.state import TargetState
@@ -224,7 +224,7 @@ def run_layers(tm: TargetModel, state: TargetState, step: Step, rt: LayerRuntime
             h = blk.mlp(layer, fl.wgu, h)
         if want_taps and i in tm._tap_pos:
             taps.append(h)
-    return tm.norm(h), (torch.cat(taps, dim=-1) if taps else None)
+    return layer_ops.rms_norm(tm.norm, h), (torch.cat(taps, dim=-1) if taps else None)
 
 
 @torch.no_grad()
