@@ -41,10 +41,11 @@ def test_engine_tree_tiny(tmp_path):
 
 def test_cpu_step_overhead_tiny(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, str(REPO / "benchmarks/cpu_step_overhead.py"), "--tiny", "--sizes", "1,4"]
+    cmd = [sys.executable, str(REPO / "benchmarks/cpu_step_overhead.py"), "--tiny", "--sizes", "1,4", "--compare-layer-ops"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads((tmp_path / "cpu_step_overhead.json").read_text())
     assert [r["probe"] for r in rec["rows"]] == ["AR step", "verify 4", "drafter pass"]
     for r in rec["rows"]:
         assert r["ms"] > 0 and r["stubbed_ms"] > 0 and r["products_ms"] == pytest.approx(r["ms"] - r["stubbed_ms"])
+        assert r["torch_ops_ms"] > 0 and r["torch_ops_stubbed_ms"] > 0

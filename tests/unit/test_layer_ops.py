@@ -61,9 +61,10 @@ def test_norms_compute_the_modules_function(cls, shape):
     assert norm.__dict__["_draftforge_rms"] == 1e-6
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 6, 256), (2, 3, 16)])
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (1, 6, 256), (2, 3, 16), (1, 3, 26)])
 def test_silu_mul_computes_silu_times_up(shape):
     gu = 6 * torch.randn(shape, generator=_gen(3))
+    gu.view(-1)[:6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5])  # exp's range ends; 26: a tail of 5 lanes
     g, u = gu.chunk(2, dim=-1)
     with torch.no_grad():
         torch.testing.assert_close(layer_ops.act_mul(None, gu), F.silu(g) * u, rtol=2e-6, atol=1e-6)
@@ -125,6 +126,8 @@ def test_only_probed_modules_and_plain_calls_take_the_kernel(monkeypatch):
     assert out.grad_fn is not None and calls == []
     with torch.no_grad():
         assert torch.equal(layer_ops.rms_norm(norm, x.bfloat16()), norm(x.bfloat16()))
+        long = torch.randn(1, layer_ops.KERNEL_ROWS + 1, 32, generator=_gen(13))  # a prefill: torch's ops
+        assert torch.equal(layer_ops.rms_norm(norm, long), norm(long))
         assert torch.equal(layer_ops.rms_norm(norm, x.transpose(1, 2).contiguous().transpose(1, 2)), norm(x))
         monkeypatch.setattr(layer_ops, "ENABLED", False)
         assert torch.equal(layer_ops.rms_norm(norm, x), norm(x))

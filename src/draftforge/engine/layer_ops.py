@@ -23,12 +23,16 @@ from torch import nn
 from draftforge.engine import cpu_kernel
 
 ENABLED = True  # benchmarks set False to time torch's ops on the same build
+# Rows (positions) up to which the kernel serves a call: a decode step's verify or block pass. Beyond, torch's
+# multi-threaded ops are the faster (a prefill; measured in docs/benchmarks.md "CPU layer ops").
+KERNEL_ROWS = 64
 _PROBE_TOL = 1e-5  # relative: a kernel within this of the module computes the module's function
 
 
 def usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether a layer op over `x` (with `weights`) takes the kernel: fp32 CPU, no autograd, not compiling, built."""
-    return (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32
+    """Whether a layer op over `x` (with `weights`) takes the kernel: fp32 CPU, at most KERNEL_ROWS rows, no
+    autograd, not compiling, built."""
+    return (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= KERNEL_ROWS * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
             and not torch.compiler.is_compiling() and cpu_kernel.available("layer_ops"))  # fmt: skip
 
