@@ -8,7 +8,9 @@ tok/s ÷ AR tok/s and the speedup (mean TPOT ratio, the evaluate stage's).
     python benchmarks/engine_cpu.py --experiment default --dataset humaneval --prompts 3 --budgets 16,32,64
     python benchmarks/engine_cpu.py --results-root <run>/results --drafter dflash_aw_b4 --dataset mt_bench \
         --prompts 6 --max-new-tokens 64 --methods ar,ddtree,ddtree_lookup --budgets 3,4,8
-Writes $OUT/engine_cpu.json when $OUT is set.
+With --compare-layer-ops the same plan runs again with the layers' norms, SwiGLU and rotary on torch's ops
+(`engine/layer_ops.py` off), the two ways alternating --turns times on the same engines; each method keeps its fastest
+turn per way. Writes $OUT/engine_cpu.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(REPO / "src"))
 from draftforge.chat import ChatMode  # noqa: E402
 from draftforge.config import compose  # noqa: E402
 from draftforge.drafter import load_drafter  # noqa: E402
-from draftforge.engine import wrap_target  # noqa: E402
+from draftforge.engine import layer_ops, wrap_target  # noqa: E402
 from draftforge.evaluate.aggregate import aggregate  # noqa: E402
 from draftforge.evaluate.prompts import eval_prompt_sets  # noqa: E402
 from draftforge.evaluate.runner import EngineSet, method_plan, run_dataset  # noqa: E402
@@ -45,6 +47,9 @@ def main() -> None:
     ap.add_argument("--drafter", default="dflash", help="the train stage's drafter folder")
     ap.add_argument("--methods", default="ar,dflash,ddtree")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    ap.add_argument("--compare-layer-ops", action="store_true",
+                    help="also run the plan with the layers' element-wise work on torch's ops, alternating")
+    ap.add_argument("--turns", type=int, default=1, help="with --compare-layer-ops: alternations of the two ways")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,20 +65,33 @@ def main() -> None:
     ev = cfg.evaluate
     ev.datasets = [args.dataset]
     prompts = eval_prompt_sets(ev, limit=args.prompts)[args.dataset]
-    records = run_dataset(es, plan, args.dataset, list(enumerate(prompts)), 0.0, 0, warmup=1)
-    rows = aggregate(records)
-    ar = next(r for r in rows if r["method"] == "ar")
-    print(f"\n{info['name']} on CPU ({torch.get_num_threads()} threads), {args.dataset}, {len(prompts)} prompts, "
-          f"{args.max_new_tokens} new tokens, T=0")
-    print(f"{'method':14} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'speedup':>7} {'tau':>5} {'round ms':>9} {'ovh %':>6} "
-          f"{'mismatch':>8}")
-    for r in rows:
-        ratio = r["tokens_per_s"] / ar["tokens_per_s"]
-        r["tokens_per_s_over_ar"] = ratio
-        print(f"{r['method']:14} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} {r['speedup_vs_ar']:7.2f} "
-              f"{r['tau']:5.2f} {(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} {r['lossless_mismatches']:>8}")
-    write_record("engine_cpu", {"target": info["name"], "dataset": args.dataset, "rows": rows})
-
+    ways = {"layer ops": True} | ({"torch ops": False} if args.compare_layer_ops else {})
+    best: dict[str, dict[tuple[str, object], dict]] = {w: {} for w in ways}
+    for _ in range(args.turns if args.compare_layer_ops else 1):
+        for way, enabled in ways.items():
+            layer_ops.ENABLED = enabled
+            for r in aggregate(run_dataset(es, plan, args.dataset, list(enumerate(prompts)), 0.0, 0, warmup=1)):
+                key = (r["method"], r["budget"])
+                if key not in best[way] or r["tokens_per_s"] > best[way][key]["tokens_per_s"]:
+                    best[way][key] = r
+    layer_ops.ENABLED = True
+    out = {}
+    for way, by_key in best.items():
+        rows = list(by_key.values())
+        ar = by_key[("ar", None)] if ("ar", None) in by_key else next(r for r in rows if r["method"] == "ar")
+        print(f"\n{info['name']} on CPU ({torch.get_num_threads()} threads), {args.dataset}, {len(prompts)} prompts, "
+              f"{args.max_new_tokens} new tokens, T=0" + (f", {way}" if len(ways) > 1 else ""))
+        print(f"{'method':14} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'speedup':>7} {'tau':>5} {'round ms':>9} "
+              f"{'ovh %':>6} {'mismatch':>8}")
+        for r in rows:
+            ratio = r["tokens_per_s"] / ar["tokens_per_s"]
+            r["tokens_per_s_over_ar"] = ratio
+            print(f"{r['method']:14} {str(r['budget'] or ''):>6} {r['tokens_per_s']:7.1f} {ratio:6.2f} "
+                  f"{r['speedup_vs_ar']:7.2f} {r['tau']:5.2f} {(r['round_ms'] or 0):9.1f} {(r['overhead_pct'] or 0):6.1f} "
+                  f"{r['lossless_mismatches']:>8}")
+        out[way] = rows
+    write_record("engine_cpu", {"target": info["name"], "dataset": args.dataset, "turns": args.turns,
+                                "rows": out["layer ops"], **({"torch_ops_rows": out["torch ops"]} if len(ways) > 1 else {})})
 
 if __name__ == "__main__":
     main()

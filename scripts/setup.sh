@@ -55,7 +55,7 @@ apt_missing() {  # apt_missing [apt-get flags] -- command:package ...: install t
     echo "[setup] ${missing[*]} not found and cannot apt-get install them: what needs them is skipped or takes a slower path"
   fi
 }
-# A C++ compiler builds the engine's AVX2 kernels (products, decode attention) on first use (engine/cpu_kernel.py);
+# A C++ compiler builds the engine's AVX2 kernels (products, decode attention, layer ops) on first use (engine/cpu_kernel.py);
 # without one the library routes and SDPA serve instead.
 apt_missing -- c++:g++
 # Build them now (~1 min each, once per machine: torch's extension cache), so no stage or test pays it; a failed
