@@ -78,7 +78,7 @@ def main() -> None:
     out = {}
     for way, by_key in best.items():
         rows = list(by_key.values())
-        ar = by_key[("ar", None)] if ("ar", None) in by_key else next(r for r in rows if r["method"] == "ar")
+        ar = next(r for r in rows if r["method"] == "ar")
         print(f"\n{info['name']} on CPU ({torch.get_num_threads()} threads), {args.dataset}, {len(prompts)} prompts, "
               f"{args.max_new_tokens} new tokens, T=0" + (f", {way}" if len(ways) > 1 else ""))
         print(f"{'method':14} {'budget':>6} {'tok/s':>7} {'÷ AR':>6} {'speedup':>7} {'tau':>5} {'round ms':>9} "

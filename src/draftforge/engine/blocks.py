@@ -130,11 +130,10 @@ KERNEL_ATTENTION_ROWS = 8
 def _kernel_attention(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether `attend_folded` takes the CPU kernel: fp32 on the CPU without autograd or compile, one sequence, few
     rows, vector-wide heads with unit stride, an additive fp32 mask or none, and the kernel built."""
-    return (qf.device.type == "cpu" and qf.dtype == k.dtype == v.dtype == torch.float32 and qf.shape[0] == 1
-            and qf.shape[2] <= KERNEL_ATTENTION_ROWS and qf.shape[3] % 8 == 0 and k.stride(3) == 1 and v.stride(3) == 1
+    return (cpu_kernel.eager_fp32(qf, k, v) and qf.shape[0] == 1 and qf.shape[2] <= KERNEL_ATTENTION_ROWS
+            and qf.shape[3] % 8 == 0 and k.stride(3) == 1 and v.stride(3) == 1
             and (mask is None or (mask.dtype == torch.float32 and mask.shape[:2] == (1, 1)))
-            and not (torch.is_grad_enabled() and (qf.requires_grad or k.requires_grad or v.requires_grad))
-            and not torch.compiler.is_compiling() and cpu_kernel.available("decode_attention"))  # fmt: skip
+            and cpu_kernel.available("decode_attention"))  # fmt: skip
 
 
 def attend_folded(qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

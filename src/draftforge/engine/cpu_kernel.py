@@ -21,19 +21,25 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "skinny_linear.cpp"
-# kernel → (source, extension name, what serves its calls when it is unavailable, its own compiler flags)
-KERNELS = {"skinny_linear": (SOURCE, "draftforge_skinny_linear", "the library routes serve every product", ()),
-           "decode_attention": (CSRC / "decode_attention.cpp", "draftforge_decode_attention", "SDPA serves every attention",
-                                ()),
-           "layer_ops": (CSRC / "layer_ops.cpp", "draftforge_layer_ops", "torch's ops serve the layers' element-wise work",
-                         ("-ffp-contract=off",))}
+class Kernel(NamedTuple):
+    source: Path
+    name: str  # the extension's name
+    fallback: str  # what serves its calls when it is unavailable
+    flags: tuple[str, ...] = ()  # compiler flags beside the common ones
+
+
+KERNELS = {"skinny_linear": Kernel(SOURCE, "draftforge_skinny_linear", "the library routes serve every product"),
+           "decode_attention": Kernel(CSRC / "decode_attention.cpp", "draftforge_decode_attention",
+                                      "SDPA serves every attention"),
+           "layer_ops": Kernel(CSRC / "layer_ops.cpp", "draftforge_layer_ops",
+                               "torch's ops serve the layers' element-wise work", ("-ffp-contract=off",))}
 _modules: dict[str, Any] = {}  # kernel → built extension, or None once unavailable
 _reasons: dict[str, str] = {}
 
@@ -45,8 +51,8 @@ def _load(kernel: str) -> Any:
         raise RuntimeError(f"CPU capability {torch.backends.cpu.get_cpu_capability()} has no AVX2")
     if not shutil.which(os.environ.get("CXX", "c++")):
         raise RuntimeError("no C++ compiler (c++) on PATH")
-    source, name, _, flags = KERNELS[kernel]
-    return build(source, name, flags)
+    k = KERNELS[kernel]
+    return build(k.source, k.name, k.flags)
 
 
 def build(source: Path, name: str, flags: tuple[str, ...] = ()) -> Any:
@@ -67,8 +73,16 @@ def available(kernel: str = "skinny_linear") -> bool:
             _modules[kernel] = None
             _reasons[kernel] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("engine/cpu_kernel.py: the AVX2 kernel %s is unavailable (%s); %s", kernel, _reasons[kernel],
-                        KERNELS[kernel][2])  # fmt: skip
+                        KERNELS[kernel].fallback)  # fmt: skip
     return _modules[kernel] is not None
+
+
+def eager_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether a call over `tensors` is one the engine's CPU paths (its kernels, `cpu_linear`'s routes) may serve:
+    every tensor fp32 on the CPU, no autograd through any of them, not inside torch.compile."""
+    grad = torch.is_grad_enabled()
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and not (grad and t.requires_grad) for t in tensors) \
+        and not torch.compiler.is_compiling()
 
 
 def unavailable_reason(kernel: str = "skinny_linear") -> str | None:

@@ -204,8 +204,7 @@ def pretune(rows: Iterable[int]) -> int:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x (..., K), w (N, K) → (..., N), by the route chosen for w's shape and x's rows when
     w is registered and the call is an fp32 CPU product without autograd; F.linear otherwise."""
-    if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.device.type != "cpu" \
-            or x.dtype != torch.float32 or torch.compiler.is_compiling() or not getattr(w, "_draftforge_registered", False):
+    if not (getattr(w, "_draftforge_registered", False) and cpu_kernel.eager_fp32(x, w)):
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]
     y = run_route(route_for(w, rows), x.reshape(rows, x.shape[-1]), w, bias)  # (M, N)

@@ -14,8 +14,6 @@ the verdict is kept on the module. The rotary is bitwise torch's; the norms and 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,9 +30,8 @@ _PROBE_TOL = 1e-5  # relative: a kernel within this of the module computes the m
 def usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether a layer op over `x` (with `weights`) takes the kernel: fp32 CPU, at most KERNEL_ROWS rows, no
     autograd, not compiling, built."""
-    return (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= KERNEL_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
-            and not torch.compiler.is_compiling() and cpu_kernel.available("layer_ops"))  # fmt: skip
+    return (ENABLED and x.numel() <= KERNEL_ROWS * x.shape[-1] and cpu_kernel.eager_fp32(x, *weights)
+            and cpu_kernel.available("layer_ops"))
 
 
 def _eps(norm: nn.Module) -> float | None:
@@ -106,12 +103,11 @@ def rope_heads(attn: nn.Module, qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     """The fused q/k/v rows qkv (1, n, (n_heads + 2·n_kv)·hd) → q (1, n_heads, n, hd), k, v (1, n_kv, n, hd), with
     per-head q/k norms (`qk_norm`) and full rotary (cos/sin (1, 1, n, hd)), contiguous; None where the kernel does not
     serve this call (the caller runs torch's ops: `blocks.split_heads`)."""
-    if not (usable(qkv) and qkv.is_contiguous() and cos.shape[-1] == hd and cos.is_contiguous() and sin.is_contiguous()):
+    weights = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else ()
+    if not (usable(qkv, cos, sin, *weights) and qkv.is_contiguous() and cos.shape[-1] == hd and cos.is_contiguous()
+            and sin.is_contiguous()):
         return None
-    norms: tuple[Any, Any, float] = (None, None, 0.0)
-    if qk_norm:
-        eps_q, eps_k = _plain_norm(attn.q_norm), _plain_norm(attn.k_norm)
-        if eps_q is None or eps_q != eps_k or attn.q_norm.weight.requires_grad and torch.is_grad_enabled():
-            return None
-        norms = (attn.q_norm.weight, attn.k_norm.weight, eps_q)
-    return cpu_kernel.layer_ops().rope_heads(qkv, cos, sin, n_heads, n_kv, hd, *norms)
+    eps = _plain_norm(attn.q_norm) if qk_norm else 0.0
+    if qk_norm and (eps is None or _plain_norm(attn.k_norm) != eps):
+        return None
+    return cpu_kernel.layer_ops().rope_heads(qkv, cos, sin, n_heads, n_kv, hd, *(weights or (None, None)), eps)
